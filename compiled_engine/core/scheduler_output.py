@@ -1,0 +1,36 @@
+"""The record the scheduler hands the model runner each step."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from compiled_engine.sampling_params import SamplingParams
+
+
+class ScheduledRequest(NamedTuple):
+    request_id: str
+    # Tokens fed this step: a chunk of the prompt (or of prompt+outputs after a preemption),
+    # or the one token sampled last step.
+    token_ids: tuple[int, ...]
+    # Position of token_ids[0] in the sequence == tokens already in the KV cache.
+    start_position: int
+    # Every block the request owns, in order; covers start_position + len(token_ids) tokens.
+    block_ids: tuple[int, ...]
+    # True when this step reaches the end of the known tokens, so a new token is sampled.
+    sample: bool
+    sampling_params: SamplingParams
+    # How many tokens the request has generated before this step (seeded sampling uses it).
+    num_output_tokens: int
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    # Requests that left the running set since the last step: the runner drops per-request
+    # state for finished ones; preempted ones keep their sampler state (they resume).
+    preempted_request_ids: tuple[str, ...]
+    finished_request_ids: tuple[str, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,60 @@
+"""The paged-attention custom op: the single attention primitive every captured graph calls.
+
+`torch.ops.compiled_engine.paged_attention` writes this step's keys/values into the paged cache
+at `slot_mapping`, then attends every query token over its own sequence's cached history.
+The op is opaque to Dynamo/Inductor; the backend that runs it is chosen per device
+(kernels/reference.py is the pure-torch one that runs everywhere).
+
+Shapes (T = tokens this step, S = sequences this step):
+  query            [T, Hq, D]
+  key, value       [T, Hkv, D]      this step's k/v, after RoPE; Hq % Hkv == 0 (GQA/MQA)
+  kv_cache         [2, num_blocks, block_size, Hkv, D]   mutated in place (k at 0, v at 1)
+  slot_mapping     [T] int64        block_id * block_size + offset; -1 = padding, not written
+  block_tables     [S, max_blocks] int32   block ids of each sequence, in order
+  seq_lens         [S] int32        tokens in the cache for each sequence after this step's write
+  query_start_loc  [S+1] int32      cumulative query counts; sequence s owns query rows
+                                    query_start_loc[s]:query_start_loc[s+1], which are its last
+                                    tokens (positions seq_len - q_len ... seq_len - 1)
+  scale            softmax scale applied to q·k
+  sliding_window   > 0: a query at position p sees keys at positions > p - sliding_window
+  softcap          > 0: scores = softcap * tanh(scores / softcap) before the softmax
+Returns [T, Hq, D] in query's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Goes into every compile-cache key: bump it whenever the op's schema or semantics change.
+PAGED_ATTENTION_VERSION = "paged_attention-1"
+
+
+@torch.library.custom_op("compiled_engine::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    from compiled_engine.kernels.reference import paged_attention_reference
+
+    return paged_attention_reference(
+        query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+        scale, sliding_window, softcap,
+    )
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(
+    query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+    scale, sliding_window=-1, softcap=0.0,
+):
+    # A fresh contiguous tensor: Inductor fails at run time with empty_like of a view.
+    return query.new_empty(query.shape)
