@@ -46,15 +46,33 @@ def paged_attention(
     from compiled_engine.kernels.reference import paged_attention_reference
 
     return paged_attention_reference(
-        query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, softcap,
+        query,
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+        softcap,
     )
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(
-    query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-    scale, sliding_window=-1, softcap=0.0,
+    query,
+    key,
+    value,
+    kv_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    sliding_window=-1,
+    softcap=0.0,
 ):
     # A fresh contiguous tensor: Inductor fails at run time with empty_like of a view.
     return query.new_empty(query.shape)

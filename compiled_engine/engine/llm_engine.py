@@ -1,0 +1,197 @@
+"""Wires the stages together: input processing → engine core → output processing."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.core.scheduler import Scheduler, SchedulerConfig
+from compiled_engine.engine.engine_core import EngineCore
+from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt
+from compiled_engine.engine.output_processor import OutputProcessor
+from compiled_engine.engine.request import Request
+from compiled_engine.errors import InvalidRequestError
+from compiled_engine.model_loader.loader import LoadedModel, load_model
+from compiled_engine.outputs import RequestOutput
+from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.worker import kv_cache
+from compiled_engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _profile_cuda_free_memory(model: torch.nn.Module, num_tokens: int, device: torch.device) -> int:
+    """Bytes left for the KV cache after a forward of the largest step, on CUDA."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    _, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return max(0, int(total * kv_cache.CUDA_KV_CACHE_FRACTION) - peak)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+    ) -> None:
+        dev = (
+            torch.device(device)
+            if device is not None
+            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("block_size", block_size)
+        loaded: LoadedModel = load_model(model, dtype=dtype, device=dev)
+        mc = loaded.model_config
+        limit = mc.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        _positive_int("max_model_len", max_model_len)
+        if max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+
+        block_bytes = kv_cache.bytes_per_block(
+            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype
+        )
+        if num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", num_kv_blocks)
+        else:
+            if kv_cache_memory is not None:
+                _positive_int("kv_cache_memory", kv_cache_memory)
+                memory = kv_cache_memory
+            elif dev.type == "cuda":
+                memory = _profile_cuda_free_memory(loaded.model, max_num_batched_tokens, dev)
+            else:
+                memory = kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
+            num_kv_blocks = min(
+                kv_cache.blocks_for_memory(memory, block_bytes),
+                kv_cache.useful_block_limit(max_num_seqs, max_model_len, block_size),
+            )
+            if num_kv_blocks < 1:
+                raise ValueError(
+                    f"{memory} bytes of KV cache memory do not hold one block ({block_bytes} bytes)"
+                )
+        if num_kv_blocks * block_size < max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens, less than max_model_len=%d: longer requests are rejected",
+                num_kv_blocks * block_size,
+                max_model_len,
+            )
+        kv_cache.log_cache_capacity(num_kv_blocks, block_size, max_model_len)
+
+        self.config = EngineConfig(
+            model_dir=str(model),
+            dtype=mc.dtype,
+            device=dev,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+        )
+        self.model_config = mc
+        self.tokenizer = loaded.tokenizer
+        caches = kv_cache.allocate_kv_caches(
+            mc.num_layers, num_kv_blocks, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype, dev
+        )
+        runner = ModelRunner(
+            loaded.model,
+            caches,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            device=dev,
+            seed=seed,
+        )
+        runner.warm_up()
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+            )
+        )
+        self.core = EngineCore(scheduler, runner)
+        self.input_processor = InputProcessor(self.tokenizer, mc, max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._next_id = 0
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.config.num_kv_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.core.scheduler.num_preemptions
+
+    def num_free_kv_blocks(self) -> int:
+        return self.core.scheduler.kv_cache_manager.num_free_blocks
+
+    def next_request_id(self) -> str:
+        rid = str(self._next_id)
+        self._next_id += 1
+        return rid
+
+    def validate(self, prompts, sampling_params) -> list[tuple[ProcessedPrompt, SamplingParams]]:
+        """Validate every prompt before anything is queued (raises InvalidRequestError)."""
+        return self.input_processor.validate_batch(prompts, sampling_params)
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        if self.output_processor.has_request(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        # The scheduler may still refuse (a prompt the whole cache cannot hold): register the
+        # text side only once the core accepted it, so a refusal leaves no state behind.
+        self.core.add_request(request)
+        self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+        self.output_processor.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        processed = self.output_processor.process(self.core.step())
+        if processed.stopped_by_string:
+            self.core.finish_requests(processed.stopped_by_string)
+        return processed.request_outputs

@@ -1,0 +1,80 @@
+"""`LLM`: the offline batch API (mirrors vLLM's `LLM` class)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.outputs import RequestOutput
+from compiled_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if model is None:
+            raise ValueError("LLM(model=...) needs a Hugging Face model folder")
+        self.engine = LLMEngine(
+            model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            seed=seed,
+            device=device,
+        )
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns the finished outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        # Everything is validated before the first request is queued: one bad prompt
+        # rejects the call and leaves the engine exactly as it was.
+        validated = self.engine.validate(prompts, sampling_params)
+        ids = []
+        try:
+            for processed, params in validated:
+                rid = self.engine.next_request_id()
+                self.engine.add_request(rid, processed, params)
+                ids.append(rid)
+            finals = self._run_to_completion(len(ids), use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [finals[rid] for rid in ids]
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        return finals

@@ -1,0 +1,381 @@
+"""Load a Hugging Face model folder: build the model on the meta device, then fill it from safetensors.
+
+No random init (the model is built with no storage at all), no pickle, no network. The steps:
+  1. read and check config.json, pick the transformers causal-LM class for its model_type;
+  2. build that class under `torch.device("meta")` in the target dtype;
+  3. give every non-persistent buffer (rotary `inv_freq`, embedding scales, ...) real storage and
+     recompute it with the model's own `_init_weights` — the same route transformers' loader takes,
+     checked so that a buffer the model does not recompute is an error, not silent garbage;
+  4. read each tensor from model.safetensors or the shards of model.safetensors.index.json straight
+     onto `device`, cast it, and assign it in place of the meta parameter — tied parameters (lm_head
+     sharing the embedding) get one tensor under every name;
+  5. check that nothing is left on meta and freeze every parameter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from compiled_engine.errors import ModelLoadError, UnsupportedModelError
+from compiled_engine.model_loader.model_config import SUPPORTED_DTYPES, ModelConfig, config_dtype
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Older checkpoints stored the rotary table per layer; it is recomputed now, so such entries are ignored.
+_ALWAYS_IGNORED_UNEXPECTED = ("*rotary_emb.inv_freq",)
+_NAMES_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel  # eval mode, every parameter requires_grad=False
+    model_config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None when the folder has no tokenizer files
+
+
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+    """Load the causal LM in `model_dir` in `dtype` ("auto" | "float32" | "bfloat16" | "float16")."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model folder {model_dir} does not exist or is not a directory")
+    device = torch.device(device)
+    hf_config = _read_config(model_dir)
+    model_class = _causal_lm_class(hf_config, model_dir)
+    target_dtype = _resolve_dtype(dtype, hf_config, model_dir)
+    shards = _find_weight_files(model_dir)
+    model_config = ModelConfig.from_hf(
+        hf_config,
+        model_dir / "generation_config.json",
+        architecture=model_class.__name__,
+        dtype=target_dtype,
+    )
+
+    model = _build_on_meta(model_class, hf_config, target_dtype, model_dir)
+    _materialise_non_persistent_buffers(model, device, model_dir)
+    _assign_weights(model, _read_tensors(shards, device), target_dtype, model_dir)
+    _check_nothing_on_meta(model, model_dir)
+    model.eval()
+    return LoadedModel(model=model, model_config=model_config, tokenizer=_load_tokenizer(model_dir))
+
+
+def _names(names) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    return ", ".join(names[:_NAMES_SHOWN]) + more
+
+
+# -- config -----------------------------------------------------------------------------------------
+
+
+def _read_config(model_dir: Path):
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"no config.json in {model_dir}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelLoadError(f"{path} has no model_type (got {model_type!r}); cannot tell which architecture")
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} in {path} is not an architecture transformers "
+            f"{transformers.__version__} knows"
+        )
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"{path} is not a valid {model_type} config: {exc}") from exc
+
+
+def _causal_lm_class(hf_config, model_dir: Path) -> type[PreTrainedModel]:
+    # The class comes from the model_type, as in AutoModelForCausalLM (classes registered with
+    # AutoModelForCausalLM.register included).
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UnsupportedModelError(
+            f"model_type {hf_config.model_type!r} in {model_dir / 'config.json'} has no causal-LM "
+            f"class in transformers {transformers.__version__}"
+        )
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    # Any other architecture name transformers lacks means custom code we will not run
+    # (no trust_remote_code), not something to load silently as model_class.
+    for name in getattr(hf_config, "architectures", None) or ():
+        if name != model_class.__name__ and not hasattr(transformers, name):
+            raise UnsupportedModelError(
+                f"architecture {name!r} in {model_dir / 'config.json'} is not a class transformers "
+                f"{transformers.__version__} provides"
+            )
+    return model_class
+
+
+def _resolve_dtype(dtype: str, hf_config, model_dir: Path) -> torch.dtype:
+    if dtype == "auto":
+        return config_dtype(hf_config)
+    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(
+            f"dtype {dtype!r} is not supported for {model_dir}; "
+            f"use 'auto' or one of {sorted(SUPPORTED_DTYPES)}"
+        )
+    return SUPPORTED_DTYPES[dtype]
+
+
+# -- model skeleton ---------------------------------------------------------------------------------
+
+
+def _build_on_meta(model_class, hf_config, dtype: torch.dtype, model_dir: Path) -> PreTrainedModel:
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        raise UnsupportedModelError(
+            f"{model_class.__name__} from {model_dir} cannot be built on the meta device: {exc}"
+        ) from exc
+    return model
+
+
+def _owned_non_persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str]]:
+    for module_name, module in model.named_modules():
+        for buffer_name in sorted(module._non_persistent_buffers_set):
+            if module._buffers.get(buffer_name) is not None:
+                yield module, buffer_name, f"{module_name}.{buffer_name}" if module_name else buffer_name
+
+
+def _materialise_non_persistent_buffers(
+    model: PreTrainedModel, device: torch.device, model_dir: Path
+) -> None:
+    owned = list(_owned_non_persistent_buffers(model))
+    modules = list({id(module): module for module, _, _ in owned}.values())
+
+    def fill_and_recompute(fill_value: int) -> list[torch.Tensor]:
+        for module, buffer_name, _ in owned:
+            meta_buffer = module._buffers[buffer_name]
+            module._buffers[buffer_name] = torch.full_like(meta_buffer, fill_value, device=device)
+        for module in modules:
+            # The model's own initialiser is what recomputes these in transformers' from_pretrained.
+            # Parameters are still on meta here, so whatever it does to them costs nothing.
+            model._init_weights(module)
+        return [module._buffers[buffer_name].clone() for module, buffer_name, _ in owned]
+
+    try:
+        after_zeros = fill_and_recompute(0)
+        after_ones = fill_and_recompute(1)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, KeyError) as exc:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} from {model_dir}: recomputing its non-persistent buffers failed: {exc}"
+        ) from exc
+    # A buffer that still shows the fill value was never written: it would hold garbage.
+    unwritten = [
+        name
+        for (_, _, name), a, b in zip(owned, after_zeros, after_ones, strict=True)
+        if not torch.equal(a, b)
+    ]
+    if unwritten:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} from {model_dir}: the model's initialiser does not recompute "
+            f"buffer(s) {_names(unwritten)}"
+        )
+
+
+# -- weights ----------------------------------------------------------------------------------------
+
+
+def _find_weight_files(model_dir: Path) -> dict[Path, frozenset[str] | None]:
+    """Each safetensors file to read, with the tensor names the index promises it holds (if any)."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{index_path} is not valid JSON: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index_path} has no weight_map of tensor name -> shard file")
+        names_by_shard: dict[Path, set[str]] = {}
+        for tensor_name, shard in weight_map.items():
+            names_by_shard.setdefault(model_dir / shard, set()).add(tensor_name)
+        absent = [path.name for path in names_by_shard if not path.is_file()]
+        if absent:
+            raise ModelLoadError(
+                f"shard(s) {_names(absent)} listed in {index_path} are missing from {model_dir}"
+            )
+        return {path: frozenset(names) for path, names in names_by_shard.items()}
+
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    pickled = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    hint = f"; found {', '.join(pickled)} (pickle checkpoints are not loaded)" if pickled else ""
+    raise ModelLoadError(
+        f"no safetensors weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}"
+    )
+
+
+def _read_tensors(shards: dict[Path, frozenset[str] | None], device: torch.device) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path, promised in shards.items():
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as reader:
+                names = set(reader.keys())
+                if promised is not None and not promised <= names:
+                    raise ModelLoadError(
+                        f"{path} lacks tensor(s) {_names(promised - names)} that {INDEX_FILE} places in it"
+                    )
+                for name in names:
+                    if name in tensors:
+                        raise ModelLoadError(
+                            f"tensor {name} appears in more than one shard (again in {path})"
+                        )
+                    tensors[name] = reader.get_tensor(name)
+        except (safetensors.SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+    return tensors
+
+
+def _fp32_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
+    # Some architectures name modules that must stay in fp32 when the rest is half precision
+    # (transformers honours the same two class attributes).
+    patterns: list[str] = []
+    if dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    return patterns
+
+
+def _assign_weights(
+    model: PreTrainedModel, tensors: dict[str, torch.Tensor], dtype: torch.dtype, model_dir: Path
+) -> None:
+    # Names that share one Parameter on the freshly built model are tied (lm_head -> embed_tokens).
+    tie_groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tie_groups.setdefault(id(param), []).append(name)
+    persistent_buffers = [name for name in model.state_dict() if name not in _param_names(tie_groups)]
+
+    expected = _param_names(tie_groups) | set(persistent_buffers)
+    unexpected = [
+        name for name in tensors if name not in expected and not _matches(name, _ignored_unexpected(model))
+    ]
+    if unexpected:
+        raise ModelLoadError(
+            f"weights in {model_dir} hold tensor(s) {type(model).__name__} does not have: "
+            f"{_names(unexpected)}"
+        )
+    missing = [group[0] for group in tie_groups.values() if not any(n in tensors for n in group)]
+    missing += [name for name in persistent_buffers if name not in tensors]
+    if missing:
+        raise ModelLoadError(
+            f"weights in {model_dir} are missing tensor(s) the model needs: {_names(missing)}"
+        )
+
+    fp32_patterns = _fp32_patterns(model, dtype)
+    for group in tie_groups.values():
+        present = [n for n in group if n in tensors]
+        source = tensors[present[0]]
+        for other in present[1:]:
+            if not torch.equal(tensors[other], source):
+                raise ModelLoadError(
+                    f"config.json in {model_dir} ties {_names(group)}, but the weights hold different "
+                    f"values for {present[0]} and {other}; set tie_word_embeddings to false"
+                )
+        meta_param = model.get_parameter(group[0])
+        value = _cast(source, group[0], meta_param, dtype, fp32_patterns, model_dir)
+        param = torch.nn.Parameter(value, requires_grad=False)
+        for name in group:
+            _set_tensor(model, name, param, is_param=True)
+    for name in persistent_buffers:
+        value = _cast(tensors[name], name, model.get_buffer(name), dtype, fp32_patterns, model_dir)
+        _set_tensor(model, name, value, is_param=False)
+
+    for group in tie_groups.values():
+        if len({model.get_parameter(name).data_ptr() for name in group}) != 1:
+            raise ModelLoadError(f"tied parameters {_names(group)} of {model_dir} do not share storage")
+
+
+def _param_names(tie_groups: dict[int, list[str]]) -> set[str]:
+    return {name for group in tie_groups.values() for name in group}
+
+
+def _ignored_unexpected(model: PreTrainedModel) -> tuple[str, ...]:
+    declared = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return _ALWAYS_IGNORED_UNEXPECTED + tuple(f"*{pattern}*" for pattern in declared)
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _cast(
+    tensor: torch.Tensor,
+    name: str,
+    meta_tensor: torch.Tensor,
+    dtype: torch.dtype,
+    fp32_patterns: list[str],
+    model_dir: Path,
+) -> torch.Tensor:
+    if tensor.shape != meta_tensor.shape:
+        raise ModelLoadError(
+            f"tensor {name} in {model_dir} has shape {tuple(tensor.shape)}, the model expects "
+            f"{tuple(meta_tensor.shape)} (does config.json match the weights?)"
+        )
+    if not tensor.is_floating_point():
+        return tensor
+    keep_fp32 = any(
+        f".{pattern}." in f".{name}." or fnmatch.fnmatchcase(name, pattern) for pattern in fp32_patterns
+    )
+    return tensor.to(torch.float32 if keep_fp32 else dtype)
+
+
+def _set_tensor(model: torch.nn.Module, dotted_name: str, value: torch.Tensor, *, is_param: bool) -> None:
+    module_name, _, attr = dotted_name.rpartition(".")
+    owner = model.get_submodule(module_name)
+    # Replace the entry itself: copying into a meta tensor is impossible, and for tied names the
+    # same Parameter object must end up under each of them.
+    if is_param:
+        owner._parameters[attr] = value
+    else:
+        owner._buffers[attr] = value
+
+
+def _check_nothing_on_meta(model: PreTrainedModel, model_dir: Path) -> None:
+    on_meta = [name for name, t in model.named_parameters() if t.is_meta]
+    on_meta += [name for name, t in model.named_buffers() if t.is_meta]
+    if on_meta:
+        raise ModelLoadError(
+            f"after loading {model_dir}, tensor(s) {_names(on_meta)} have no data (still on meta)"
+        )
+
+
+# -- tokenizer --------------------------------------------------------------------------------------
+
+
+def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    # Tokenizer construction can fail in many libraries' ways (tokenizers, sentencepiece, json);
+    # all mean the same thing to the user: the files in this folder are broken.
+    except Exception as exc:
+        raise ModelLoadError(f"the tokenizer files in {model_dir} could not be loaded: {exc}") from exc

@@ -1,0 +1,63 @@
+"""Sizing and allocating the paged KV cache: one tensor per layer, allocated once."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# On CPU the cache lives in host RAM next to everything else; 1 GiB serves hundreds of
+# concurrent sequences of a small model without starving the rest of the process.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# On CUDA, the fraction of the memory still free after a profiling forward that the cache takes.
+CUDA_KV_CACHE_FRACTION = 0.9
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes one block costs across all layers (keys and values)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:
+    return int(memory_bytes // block_bytes)
+
+
+def useful_block_limit(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """More blocks than every sequence at full length can never be used."""
+    return max_num_seqs * math.ceil(max_model_len / block_size)
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, Hkv, D] tensor per layer (keys at 0, values at 1).
+
+    Zero-filled so a padded or stale slot never holds NaN/Inf that a masked-out score could
+    still turn into NaN through 0 * inf.
+    """
+    return [
+        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        for _ in range(num_layers)
+    ]
+
+
+def log_cache_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    tokens = num_blocks * block_size
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens; max concurrency at %d tokens per request: %.2fx",
+        num_blocks,
+        block_size,
+        tokens,
+        max_model_len,
+        tokens / max_model_len,
+    )

@@ -1,0 +1,89 @@
+"""Runs one scheduled step: inputs into persistent buffers → captured graph → sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from compiled_engine.graphs.capture import capture_model
+from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.worker.input_buffers import InputBuffers
+from compiled_engine.worker.runner_output import ModelRunnerOutput
+from compiled_engine.worker.sampler import Sampler, SamplingTensors
+
+
+def seeded_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
+    """A generator that depends only on the request's seed and how far it has got.
+
+    Deriving it per step (instead of keeping one per request) makes a seeded request's tokens
+    independent of batching, preemption and step order, and leaves no per-request state to leak.
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + num_output_tokens) % (1 << 63))
+    return gen
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.device = device
+        self.kv_caches = kv_caches
+        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_model_len, block_size, device)
+        self.captured = capture_model(model, kv_caches)
+        self.sampler = Sampler()
+        # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def warm_up(self) -> None:
+        """Capture and lower the graph now, so an un-runnable model fails at start-up.
+
+        Two short sequences give Dynamo the general (dynamic) shapes first. The k/v they write
+        land in free blocks, which every later owner overwrites before reading.
+        """
+        greedy = SamplingParams(temperature=0.0)
+        block = self.buffers.block_size
+        dummy = tuple(
+            ScheduledRequest(
+                request_id=f"warm-up-{i}",
+                token_ids=(0,) * n,
+                start_position=0,
+                block_ids=(0,) * -(-n // block),
+                sample=True,
+                sampling_params=greedy,
+                num_output_tokens=0,
+            )
+            for i, n in enumerate((3, 2))
+        )
+        self.execute(SchedulerOutput(dummy, 5, (), ()))
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        prepared = self.buffers.prepare(step)
+        logits = self.captured(prepared.inputs)
+        if not prepared.sampled_rows:
+            return ModelRunnerOutput(request_ids=(), sampled_token_ids=())
+        sampled = [step.scheduled[i] for i in prepared.sampled_rows]
+        generators = [
+            seeded_generator(r.sampling_params.seed, r.num_output_tokens, self.device)
+            if r.sampling_params.seed is not None
+            else None
+            for r in sampled
+        ]
+        tensors = SamplingTensors.build(
+            [r.sampling_params for r in sampled], generators, self.device, default_generator=self.generator
+        )
+        token_ids = self.sampler(logits, tensors).tolist()
+        return ModelRunnerOutput(
+            request_ids=tuple(r.request_id for r in sampled), sampled_token_ids=tuple(token_ids)
+        )

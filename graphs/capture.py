@@ -1,0 +1,183 @@
+"""Capture an unmodified HF causal LM into FX graphs whose every attention is the paged op.
+
+`capture_model(model, kv_caches)` returns a `CapturedModel`; calling it with a `StepInputs`
+runs one forward step over all scheduled tokens (flattened into one [1, T] row) and returns
+the logits of the `logits_indices` rows.
+
+How: the step function calls the model with `use_cache=False`, the step's positions and the
+paged-attention metadata as extra keyword arguments, under `torch.compile(fullgraph=True,
+dynamic=True)` with our own Dynamo backend. Attention reaches the graph as
+`torch.ops.compiled_engine.paged_attention` through transformers' AttentionInterface
+(graphs/attention_interface.py); a model that calls SDPA itself is rewritten by the
+lower_sdpa pass. The backend runs the pass manager (lower SDPA, DCE, lowering check) on each
+GraphModule Dynamo hands it and returns it eager — or hands it to `graph_compiler` (Inductor)
+when one is given, after the passes.
+
+Graphs per model: Dynamo specialises sizes 0 and 1 of every dynamic dimension (T, S, K and
+the block-table width), so a serving run typically captures 3–6 graphs: the general one,
+single-sequence prefill (S = K = 1), one-token decode (T = S = K = 1), a prefill chunk that
+samples nothing (K = 0), and batches whose sequences all fit in one block (width 1). The test
+sequence prefill → packed prefill → decodes gives exactly 3. _RECOMPILE_LIMIT leaves ample
+room above that; hitting it means shapes are being specialised that should not be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dynamo.exc import BackendCompilerFailed, Unsupported
+
+from compiled_engine.errors import UnsupportedModelError
+from compiled_engine.graphs.attention_interface import (
+    ATTENTION_NAME,
+    register_paged_attention,
+    step_attention_kwargs,
+)
+from compiled_engine.graphs.pass_manager import PassManager, PassReport
+from compiled_engine.graphs.passes.check_lowering import CheckLowering
+from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
+from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
+
+# Distinct graphs one CapturedModel may trace (see the module docstring for the usual count).
+_RECOMPILE_LIMIT = 32
+
+GraphCompiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
+
+
+def default_pass_manager(model_class_name: str, num_attention_layers: int | None) -> PassManager:
+    """Lower direct SDPA, drop the dead mask subgraph and marker, then refuse leftover attention."""
+    return PassManager(
+        [LowerSdpa(), DeadCodeElimination(), CheckLowering(model_class_name, num_attention_layers)]
+    )
+
+
+def _run_model(
+    model: torch.nn.Module, kv_caches: list[torch.Tensor], inputs: StepInputs, validate_only: bool = False
+) -> torch.Tensor:
+    output = model(
+        input_ids=inputs.input_ids,
+        position_ids=inputs.positions,
+        use_cache=False,
+        # A 1-D index tensor: the model projects only these rows onto the vocabulary.
+        logits_to_keep=inputs.logits_indices,
+        **step_attention_kwargs(inputs, kv_caches, validate_only),
+    )
+    return output.logits[0]
+
+
+class CapturedModel:
+    """One model's captured step: `__call__(StepInputs) -> logits [K, vocab]`.
+
+    `graphs` holds every lowered GraphModule traced so far (one per shape specialisation) and
+    `pass_log` the matching PassReports, in capture order.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        pass_manager: PassManager,
+        graph_compiler: GraphCompiler | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.pass_manager = pass_manager
+        self.graphs: list[fx.GraphModule] = []
+        self.pass_log: list[PassReport] = []
+        self._graph_compiler = graph_compiler
+        for cache in kv_caches:
+            # The caches never change shape: keep their sizes out of the symbolic shapes (the
+            # SDPA lowering compares their head count with the model's k/v statically).
+            torch._dynamo.mark_static(cache)
+
+        def forward_step(inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+            # Keeps the metadata in the graph even if the model never reads it (route b).
+            anchor_step_metadata(inputs, kv_caches)
+            return _run_model(model, kv_caches, inputs)
+
+        self._compiled = torch.compile(forward_step, backend=self._backend, fullgraph=True, dynamic=True)
+
+    def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        report = self.pass_manager(gm)
+        self.graphs.append(gm)
+        self.pass_log.append(report)
+        if self._graph_compiler is not None:
+            return self._graph_compiler(gm, example_inputs)
+        return gm.forward
+
+    def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        # specialize_float: float attributes such as the attention scale stay Python floats
+        # (the op's `scale: float`) instead of becoming graph inputs read back with .item().
+        settings = torch._dynamo.config.patch(
+            specialize_float=True,
+            recompile_limit=_RECOMPILE_LIMIT,
+            accumulated_recompile_limit=max(
+                _RECOMPILE_LIMIT, torch._dynamo.config.accumulated_recompile_limit
+            ),
+        )
+        with settings, torch.no_grad():
+            try:
+                return self._compiled(inputs, self.kv_caches)
+            except BackendCompilerFailed as exc:
+                # Our passes raise LoweringError inside the backend; surface it, not Dynamo's wrapper.
+                if isinstance(exc.inner_exception, UnsupportedModelError):
+                    raise exc.inner_exception from None
+                raise
+            except Unsupported as exc:
+                error = self._attention_error(inputs)
+                if error is not None:
+                    raise error from exc
+                raise
+
+    def _attention_error(self, inputs: StepInputs) -> UnsupportedModelError | None:
+        """Re-run the step eagerly in validate-only mode to recover our own error, if it was ours.
+
+        An UnsupportedModelError raised by the attention function while Dynamo traces it
+        reaches us only as a generic `Unsupported: Observed exception`. Eagerly, with the op
+        call skipped (nothing is written to the KV cache), the same check raises the real error.
+        """
+        try:
+            _run_model(self.model, self.kv_caches, inputs, validate_only=True)
+        except UnsupportedModelError as error:
+            return error
+        except Exception:
+            # Not one of our checks: Dynamo's own error, re-raised by the caller, says more.
+            return None
+        return None
+
+
+def _check_kv_caches(kv_caches: list[torch.Tensor]) -> None:
+    if not isinstance(kv_caches, list) or not kv_caches:
+        raise ValueError("kv_caches must be a non-empty list with one tensor per attention layer")
+    for i, cache in enumerate(kv_caches):
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[0] != 2:
+            shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            raise ValueError(f"kv_caches[{i}] must be [2, num_blocks, block_size, Hkv, D], got {shape}")
+
+
+def capture_model(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    graph_compiler: GraphCompiler | None = None,
+) -> CapturedModel:
+    """Prepare `model` for serving with paged attention; graphs are traced on first calls.
+
+    `kv_caches`: one [2, num_blocks, block_size, Hkv, D] tensor per attention layer, the same
+    list (same tensors) for every step. The model is switched to eval mode, its parameters
+    stop requiring grad (Inductor would otherwise trace a backward through the custom op), and
+    HF models are switched to our attention implementation.
+    """
+    _check_kv_caches(kv_caches)
+    register_paged_attention()
+    model.eval()
+    model.requires_grad_(False)
+    if hasattr(model, "set_attn_implementation"):
+        # Models that cannot switch (no AttentionInterface support) keep theirs, with a warning
+        # from transformers, and go through the SDPA lowering pass instead.
+        model.set_attn_implementation(ATTENTION_NAME)
+    pass_manager = default_pass_manager(type(model).__name__, len(kv_caches))
+    return CapturedModel(model, kv_caches, pass_manager, graph_compiler)

@@ -1,0 +1,170 @@
+"""Builds tiny random Hugging Face model folders (weights, config, tokenizer) for tests.
+
+A folder made here looks like a real checkpoint: `config.json`, `model.safetensors` (or shards plus
+`model.safetensors.index.json`), `generation_config.json` and a byte-level BPE tokenizer trained
+offline on a few of the standard library's own `.py` files plus some non-ASCII text, so multi-byte
+UTF-8 characters really do get split across tokens.
+
+Usage from other tests:
+
+    from tests.model_factory import build_tokenizer, make_tiny_model
+    model_dir = make_tiny_model(tmp_path, arch="qwen3", seed=1)
+"""
+
+from __future__ import annotations
+
+import functools
+import sysconfig
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
+# The trainer numbers special tokens first, in this order.
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+DEFAULT_VOCAB_SIZE = 384
+
+_CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+# Small, stable stdlib modules: enough Python text for a few hundred merges, read from disk (no network).
+_CORPUS_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py")
+
+# Non-ASCII text in the corpus makes the BPE learn merges of partial UTF-8 sequences (two bytes of a
+# three-byte character, say), which is exactly what incremental detokenisation has to cope with.
+MULTILINGUAL_TEXT = (
+    "Ünïcödé façade naïve café résumé — «quotes» ‘single’ “double” … "
+    "中文字符测试，你好世界。日本語のテキスト、こんにちは。한국어 텍스트 안녕하세요. "
+    "Ελληνικά κείμενα, Русский текст, עברית, العربية. Emoji: 😀🚀🎉👍🏽 ∑∫√∞≠≤≥ "
+)
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8") for name in _CORPUS_MODULES]
+    texts.extend([MULTILINGUAL_TEXT] * 50)
+    return texts
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int, add_bos: bool) -> str:
+    if vocab_size < 256 + 3:
+        raise ValueError(f"vocab_size must be at least 259 (256 bytes + 3 special tokens), got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+            special_tokens=[(BOS_TOKEN, BOS_ID)],
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    assert tokenizer.token_to_id(EOS_TOKEN) == EOS_ID and tokenizer.token_to_id(BOS_TOKEN) == BOS_ID
+    # Cache the serialised form, not the object: every caller gets its own mutable tokenizer.
+    return tokenizer.to_str()
+
+
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, add_bos: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with at most `vocab_size` tokens (trained once per process)."""
+    tokenizer = Tokenizer.from_str(_trained_tokenizer_json(vocab_size, add_bos))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+
+
+def _unique_dir(parent: Path, name: str) -> Path:
+    candidate, n = parent / name, 1
+    while candidate.exists():
+        n += 1
+        candidate = parent / f"{name}-{n}"
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def make_tiny_model(
+    tmp_path: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    eos_token_id: int | list[int] = EOS_ID,
+    max_shard_size: str | int | None = None,
+    with_tokenizer: bool = True,
+    add_bos: bool = True,
+    init_std: float = 0.1,
+    config_overrides: dict | None = None,
+    name: str | None = None,
+) -> Path:
+    """Save a tiny random fp32 causal LM under `tmp_path` and return its folder.
+
+    Every parameter is drawn from a generator seeded with `seed` (norm weights around 1, the rest
+    normal with `init_std`), so the same arguments always give the same weights, and a loader that
+    mixes tensors up changes the logits. `max_shard_size` (e.g. "40KB") saves sharded files with an
+    index; `eos_token_id` may be a list, as Llama 3 and Qwen checkpoints have.
+    """
+    if arch not in _CONFIG_CLASSES:
+        raise ValueError(f"arch must be one of {sorted(_CONFIG_CLASSES)}, got {arch!r}")
+    config = _CONFIG_CLASSES[arch](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=eos_token_id,
+        pad_token_id=PAD_ID,
+        **(config_overrides or {}),
+    )
+    # transformers' own random init draws from the global RNG; keep the caller's stream untouched.
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1 and "norm" in param_name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(init_std * noise)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=eos_token_id, pad_token_id=PAD_ID
+    )
+
+    out_dir = _unique_dir(Path(tmp_path), name or f"tiny-{arch}-seed{seed}")
+    save_kwargs = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out_dir, **save_kwargs)
+    if with_tokenizer:
+        build_tokenizer(vocab_size, add_bos).save_pretrained(out_dir)
+    return out_dir
