@@ -1,0 +1,117 @@
+"""The models the suites time: "bench-small" (built here, seeded) and the embedded model if present."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+# A random Llama big enough that GEMMs, not Python, dominate a batched step, small enough for 2 cores.
+BENCH_SMALL_CONFIG = {
+    "hidden_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 1408,
+    "vocab_size": 4000,
+    # Prompts up to 512 plus outputs up to 256 must fit.
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+BENCH_SMALL_SEED = 1234
+# Bumped whenever BENCH_SMALL_CONFIG or the initialisation changes, so a stale cached copy is rebuilt.
+BENCH_SMALL_VERSION = "1"
+
+CACHE_ENV = "COMPILED_ENGINE_BENCH_CACHE"
+BENCH_SMALL = "bench-small"
+EMBEDDED = "embedded"
+
+
+class BenchModel(NamedTuple):
+    name: str
+    path: Path | None  # None when the model is not available on this checkout
+    missing_reason: str = ""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "compiled-engine" / "bench"))
+
+
+def _build_bench_small(out_dir: Path) -> None:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**BENCH_SMALL_CONFIG)
+    # transformers' init draws from the global RNG: fork it so building leaves callers' streams alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(BENCH_SMALL_SEED)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(BENCH_SMALL_SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            # Norms near 1, everything else small: activations stay finite through 6 layers.
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.02 * noise)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def bench_small_dir(root: Path | None = None) -> Path:
+    """The bench-small folder, built once and reused (the build is deterministic for a version)."""
+    target = (root or cache_root()) / f"{BENCH_SMALL}-v{BENCH_SMALL_VERSION}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a crashed or concurrent build never leaves half a model.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _build_bench_small(staging)
+        (staging / "bench_model.json").write_text(
+            json.dumps({"seed": BENCH_SMALL_SEED, "version": BENCH_SMALL_VERSION, **BENCH_SMALL_CONFIG})
+        )
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def embedded_model() -> BenchModel:
+    """The model shipped with the package, or a BenchModel saying why it is not there."""
+    try:
+        from compiled_engine.default_model_path import default_model_dir
+    except ImportError as exc:
+        return BenchModel(EMBEDDED, None, f"compiled_engine.default_model_path is not importable: {exc}")
+    path = Path(default_model_dir())
+    if not (path / "config.json").exists():
+        return BenchModel(EMBEDDED, None, f"the embedded model folder {path} has no config.json yet")
+    return BenchModel(EMBEDDED, path)
+
+
+def model_names() -> list[str]:
+    return [EMBEDDED, BENCH_SMALL]
+
+
+def resolve_model(name: str) -> BenchModel:
+    """A model by suite name; bench-small is built on first use."""
+    if name == BENCH_SMALL:
+        return BenchModel(BENCH_SMALL, bench_small_dir())
+    if name == EMBEDDED:
+        return embedded_model()
+    raise ValueError(f"unknown bench model {name!r}; expected one of {model_names()}")
+
+
+def max_positions(model_dir: Path) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))

@@ -1,0 +1,281 @@
+"""Train the small Llama that ships inside the package as its default model.
+
+Everything is read offline from this machine: the corpus is the Python standard library's own `.py`
+source (PSF licence), the tokenizer is a byte-level BPE trained on it with `tokenizers`, and the model
+is a transformers `LlamaForCausalLM`, so the result is an ordinary Hugging Face folder that both our
+engine and `AutoModelForCausalLM` load.
+
+The run is seeded end to end (file order, validation split, batch offsets, initial weights), so the
+documented command in docs/default-model.md reproduces the shipped weights' loss within noise.
+
+    python scripts/train_default_model.py --steps 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "compiled_engine" / "default_model"
+DEFAULT_PLOT = REPO_ROOT / "docs" / "default-model-loss.png"
+
+END_OF_TEXT = "<|endoftext|>"
+ROLE_START = "<|im_start|>"
+ROLE_END = "<|im_end|>"
+SPECIAL_TOKENS = [END_OF_TEXT, ROLE_START, ROLE_END]  # ids 0, 1, 2 in this order
+
+# ChatML-style: the role markers are single special tokens, so a chat turn costs few tokens and
+# `<|im_end|>` can stop generation (it is listed in generation_config.json's eos ids).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Directories of the stdlib that are not ordinary library code: test suites (huge, repetitive),
+# IDLE's GUI and installed third-party packages.
+EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycache__"})
+VALIDATION_EVERY_NTH_FILE = 50  # every 50th file (in sorted order) is held out: ~2 % of the corpus
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train_files: list[Path]
+    val_files: list[Path]
+    train_text: list[str]
+    val_text: list[str]
+
+
+def collect_corpus(stdlib_dir: Path) -> Corpus:
+    paths = sorted(
+        p for p in stdlib_dir.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(stdlib_dir).parts)
+    )
+    if not paths:
+        raise SystemExit(f"no .py files found under {stdlib_dir}")
+    train_files, val_files = [], []
+    for index, path in enumerate(paths):
+        (val_files if index % VALIDATION_EVERY_NTH_FILE == VALIDATION_EVERY_NTH_FILE - 1 else train_files).append(
+            path
+        )
+
+    def read(files: list[Path]) -> list[str]:
+        return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+    return Corpus(train_files, val_files, read(train_files), read(val_files))
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    # Every training document follows an <|endoftext|>, so prompts get one too: the model then sees
+    # the start of a prompt exactly as it saw the start of a file.
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{END_OF_TEXT} $A",
+        pair=f"{END_OF_TEXT} $A {END_OF_TEXT} $B",
+        special_tokens=[(END_OF_TEXT, backend.token_to_id(END_OF_TEXT))],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+        additional_special_tokens=[ROLE_START, ROLE_END],
+        model_max_length=1024,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def token_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    """All documents as one id stream, each preceded by <|endoftext|> (the document separator)."""
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
+    ids = [i for enc in encodings for i in enc.ids]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def build_model(vocab_size: int, tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> LlamaForCausalLM:
+    eos = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return LlamaForCausalLM(config)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def windows_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=windows[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def validation_loss(model: LlamaForCausalLM, val_windows: torch.Tensor, batch: int) -> float:
+    model.eval()
+    losses = [windows_loss(model, val_windows[i : i + batch]).item() for i in range(0, len(val_windows), batch)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def save_loss_plot(history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(history["train_steps"], history["train_loss"], lw=0.8, alpha=0.6, label="train (per step)")
+    ax.plot(history["val_steps"], history["val_loss"], "o-", lw=1.5, label="validation (held-out files)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title("Default model: 4-layer Llama on the Python stdlib")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Hugging Face folder to write")
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="loss-curve PNG to write")
+    parser.add_argument("--log-json", type=Path, default=None, help="optional JSON file for the loss history")
+    parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=256, help="training window length in tokens")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--ffn", type=int, default=704)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+
+    corpus = collect_corpus(args.stdlib)
+    tokenizer = train_tokenizer(corpus.train_text, args.vocab)
+    train_ids = token_stream(tokenizer, corpus.train_text)
+    val_ids = token_stream(tokenizer, corpus.val_text)
+    span = args.context + 1  # inputs plus the shifted targets
+    val_windows = val_ids[: len(val_ids) // span * span].view(-1, span)
+    print(
+        f"corpus: {len(corpus.train_files)} train files / {len(corpus.val_files)} val files, "
+        f"{sum(map(len, corpus.train_text)):,} / {sum(map(len, corpus.val_text)):,} chars, "
+        f"{len(train_ids):,} / {len(val_ids):,} tokens, {len(val_windows)} val windows; "
+        f"tokenizer ready after {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+
+    model = build_model(len(tokenizer), tokenizer, args)
+    print(f"model: {model.num_parameters():,} parameters (tied embeddings)", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    batch_rng = torch.Generator().manual_seed(args.seed)
+    history = {"train_steps": [], "train_loss": [], "val_steps": [], "val_loss": []}
+
+    train_started = time.perf_counter()
+    model.train()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        starts = torch.randint(0, len(train_ids) - span, (args.batch,), generator=batch_rng)
+        windows = torch.stack([train_ids[s : s + span] for s in starts.tolist()])
+        loss = windows_loss(model, windows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        history["train_steps"].append(step + 1)
+        history["train_loss"].append(loss.item())
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val = validation_loss(model, val_windows, args.batch)
+            history["val_steps"].append(step + 1)
+            history["val_loss"].append(val)
+            elapsed = time.perf_counter() - train_started
+            print(
+                f"step {step + 1}/{args.steps}  train {loss.item():.3f}  val {val:.3f}  "
+                f"lr {lr_at(step, args):.2e}  {elapsed / (step + 1):.2f} s/step  {elapsed / 60:.1f} min",
+                flush=True,
+            )
+
+    train_seconds = time.perf_counter() - train_started
+    last = history["train_loss"][-50:]
+    summary = {
+        "final_train_loss_last50_mean": sum(last) / len(last),
+        "final_val_loss": history["val_loss"][-1],
+        "train_seconds": train_seconds,
+        "seconds_per_step": train_seconds / args.steps,
+        "parameters": model.num_parameters(),
+    }
+    print("summary: " + json.dumps(summary), flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
+    eos, role_end = tokenizer.convert_tokens_to_ids([END_OF_TEXT, ROLE_END])
+    GenerationConfig(bos_token_id=eos, eos_token_id=[eos, role_end], pad_token_id=eos).save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    save_loss_plot(history, args.plot)
+    if args.log_json is not None:
+        args.log_json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **summary, **history}))
+    print(f"wrote {args.out} and {args.plot} after {(time.perf_counter() - started) / 60:.1f} min total", flush=True)
+
+
+if __name__ == "__main__":
+    main()
