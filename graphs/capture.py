@@ -23,6 +23,8 @@ room above that; hitting it means shapes are being specialised that should not b
 
 from __future__ import annotations
 
+import itertools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +46,8 @@ from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 
 # Distinct graphs one CapturedModel may trace (see the module docstring for the usual count).
 _RECOMPILE_LIMIT = 32
+
+_step_ids = itertools.count()
 
 GraphCompiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
@@ -99,7 +103,9 @@ class CapturedModel:
             anchor_step_metadata(inputs, kv_caches)
             return _run_model(model, kv_caches, inputs)
 
-        self._compiled = torch.compile(forward_step, backend=self._backend, fullgraph=True, dynamic=True)
+        self._compiled = torch.compile(
+            _with_own_code_object(forward_step), backend=self._backend, fullgraph=True, dynamic=True
+        )
 
     def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         report = self.pass_manager(gm)
@@ -148,6 +154,18 @@ class CapturedModel:
             # Not one of our checks: Dynamo's own error, re-raised by the caller, says more.
             return None
         return None
+
+
+def _with_own_code_object(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of `fn` with a code object of its own.
+
+    Dynamo keeps its graph cache (and its recompile count) on the code object. Every
+    CapturedModel's step closure shares one code object, so without this, each engine in a
+    process would add its graphs to one shared cache: guards of every other model checked on
+    each call, and the recompile limit reached after a few engines.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_step_ids)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _check_kv_caches(kv_caches: list[torch.Tensor]) -> None:

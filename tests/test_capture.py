@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from compiled_engine.errors import UnsupportedModelError
+from compiled_engine.graphs import capture
 from compiled_engine.graphs.capture import capture_model, default_pass_manager
 from compiled_engine.graphs.pass_manager import PassManager
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
@@ -261,3 +262,16 @@ def test_pass_manager_version_covers_passes_and_op() -> None:
     )
     with pytest.raises(ValueError, match="unique"):
         PassManager([DeadCodeElimination(), DeadCodeElimination()])
+
+
+def test_each_captured_model_has_its_own_dynamo_cache(monkeypatch) -> None:
+    # Dynamo's cache and recompile count live on the code object. With a shared step function,
+    # engines created one after another in a process pile their graphs into one cache and hit
+    # the recompile limit; a limit of 2 makes the third engine fail unless each has its own.
+    monkeypatch.setattr(capture, "_RECOMPILE_LIMIT", 2)
+    paged = PagedBatch()
+    model = make_model("llama")
+    for _ in range(4):
+        captured = capture_model(model, paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM))
+        captured(paged.step([(0, torch.arange(5), 0), (1, torch.arange(3), 0)]))
+        assert len(captured.graphs) == 1
