@@ -12,7 +12,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation for each prompt")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
-    gen.add_argument("--model", required=True, help="Hugging Face model folder")
+    gen.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: the embedded code model)"
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     gen.add_argument("--top-k", type=int, default=-1)

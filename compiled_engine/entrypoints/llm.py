@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from compiled_engine.default_model_path import default_model_dir
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
@@ -27,7 +28,8 @@ class LLM:
         device: str | torch.device | None = None,
     ) -> None:
         if model is None:
-            raise ValueError("LLM(model=...) needs a Hugging Face model folder")
+            # The small code model shipped inside the package: works offline, out of the box.
+            model = str(default_model_dir())
         self.engine = LLMEngine(
             model,
             dtype=dtype,
