@@ -93,7 +93,10 @@ def embedded_model() -> BenchModel:
         from compiled_engine.default_model_path import default_model_dir
     except ImportError as exc:
         return BenchModel(EMBEDDED, None, f"compiled_engine.default_model_path is not importable: {exc}")
-    path = Path(default_model_dir())
+    try:
+        path = Path(default_model_dir())
+    except FileNotFoundError as exc:
+        return BenchModel(EMBEDDED, None, str(exc))
     if not (path / "config.json").exists():
         return BenchModel(EMBEDDED, None, f"the embedded model folder {path} has no config.json yet")
     return BenchModel(EMBEDDED, path)
