@@ -1,0 +1,89 @@
+"""Write captured graphs to disk as readable Python, before and after each pass.
+
+Why: when a pass rewrites the wrong node, or a model traces differently than expected, the
+quickest answer is to read the graph at each stage. Set `COMPILED_ENGINE_DUMP_GRAPHS=DIR`
+and every graph a `DumpingPassManager` processes lands in `DIR/<graph-id>/`:
+
+    00-captured.py                  the graph Dynamo handed the backend
+    01-after-lower_sdpa.py          ... one file per pass, in order
+    02-after-dce.py
+
+`<graph-id>` is Dynamo's backend id for the graph (unique per compiled graph, so graphs of
+several models or shape specialisations never overwrite each other), else a name made from
+the object's id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import fx
+
+from compiled_engine.graphs.pass_manager import GraphPass, PassManager, PassReport
+
+DUMP_DIR_ENV = "COMPILED_ENGINE_DUMP_GRAPHS"
+
+
+def dump_dir_from_env() -> Path | None:
+    """The directory named by COMPILED_ENGINE_DUMP_GRAPHS, or None when it is unset or empty."""
+    value = os.environ.get(DUMP_DIR_ENV, "").strip()
+    return Path(value) if value else None
+
+
+def graph_id(gm: fx.GraphModule) -> str:
+    """A file-system-safe name for `gm`, stable for the graph's lifetime."""
+    raw = str(gm.meta.get("backend_id") or f"graph-{id(gm):x}")
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    # Generated from the graph itself, so it is current even before gm.recompile().
+    return gm.print_readable(print_output=False, include_stride=True, include_device=True)
+
+
+def dump_graph(gm: fx.GraphModule, stage: str, directory: str | Path) -> Path:
+    """Write `gm` as `directory/<graph-id>/<NN>-<stage>.py`, NN counting that graph's dumps."""
+    if not stage or any(c in stage for c in "/\\"):
+        raise ValueError(f"dump stage must be a non-empty name without path separators, got {stage!r}")
+    graph_dir = Path(directory) / graph_id(gm)
+    graph_dir.mkdir(parents=True, exist_ok=True)
+    number = sum(1 for p in graph_dir.iterdir() if p.suffix == ".py")
+    path = graph_dir / f"{number:02d}-{stage}.py"
+    path.write_text(_readable(gm), encoding="utf-8")
+    return path
+
+
+class DumpingPassManager(PassManager):
+    """A PassManager that also dumps the graph before the first pass and after each one.
+
+    With `dump_dir=None` it behaves exactly like PassManager. Same `version()`/`uuid()`:
+    dumping does not change the graphs, so it must not change compile-cache keys.
+    """
+
+    def __init__(self, passes: Sequence[GraphPass], dump_dir: str | Path | None) -> None:
+        super().__init__(passes)
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+
+    def __call__(self, gm: fx.GraphModule) -> PassReport:
+        if self.dump_dir is None:
+            return super().__call__(gm)
+        dump_graph(gm, "captured", self.dump_dir)
+        results = []
+        for graph_pass in self.passes:
+            try:
+                result = graph_pass(gm)
+            except BaseException:
+                # The half-rewritten graph explains the error; never let dumping mask it.
+                with contextlib.suppress(Exception):
+                    dump_graph(gm, f"failed-in-{graph_pass.name}", self.dump_dir)
+                raise
+            dump_graph(gm, f"after-{graph_pass.name}", self.dump_dir)
+            if result.pass_name != graph_pass.name:
+                raise ValueError(f"pass {graph_pass.name!r} reported its result as {result.pass_name!r}")
+            results.append(result)
+        gm.graph.lint()
+        gm.recompile()
+        return PassReport(tuple(results))
