@@ -1,0 +1,171 @@
+"""Options, parametrisation and shared state for the bench suites.
+
+`--bench-size full|quick|smoke` (or `--bench-quick`, or env BENCH_SIZE) picks the sizes in
+bench/workloads.py. Each test is parametrised by model and by system ("ours" / "hf"); both systems of
+one workload share a benchmark group, so one JSON holds the pair.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.models import max_positions, resolve_model
+from bench.runners import EngineSettings, engine_settings, load_engine, load_hf, run_engine_generate
+from bench.workloads import SIZE_PROFILES, BenchSizes, fixed_requests, sizes_for
+
+SYSTEMS = ("ours", "hf")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("compiled-engine bench")
+    group.addoption(
+        "--bench-size",
+        choices=SIZE_PROFILES,
+        default=None,
+        help="workload sizes: full (default), quick (reduced), smoke (CI: every path once)",
+    )
+    group.addoption("--bench-quick", action="store_true", help="shorthand for --bench-size quick")
+
+
+def _profile(config) -> str:
+    if config.getoption("--bench-quick"):
+        return "quick"
+    return config.getoption("--bench-size") or os.environ.get("BENCH_SIZE") or "full"
+
+
+def pytest_configure(config):
+    config._bench_sizes = sizes_for(_profile(config))
+    config._bench_started = time.time()
+
+
+def pytest_generate_tests(metafunc):
+    sizes: BenchSizes = metafunc.config._bench_sizes
+    params = {
+        "model_name": list(sizes.models),
+        "system": list(SYSTEMS),
+        "prompt_len": list(sizes.ttft_prompt_lens),
+        "concurrency": list(sizes.decode_concurrency),
+        "num_requests": list(sizes.throughput_requests),
+    }
+    for name, values in params.items():
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, values)
+
+
+class BenchSession:
+    """Models, engines and HF models, each built once per session and only when a test needs it."""
+
+    def __init__(self, sizes: BenchSizes) -> None:
+        self.sizes = sizes
+        self._engines: dict[str, object] = {}
+        self._hf: dict[str, object] = {}
+
+    def model_dir(self, name: str) -> Path:
+        model = resolve_model(name)
+        if model.path is None:
+            pytest.skip(f"model {name!r} unavailable: {model.missing_reason}")
+        return model.path
+
+    def vocab_size(self, name: str) -> int:
+        import json
+
+        return int(json.loads((self.model_dir(name) / "config.json").read_text())["vocab_size"])
+
+    def settings(self, name: str) -> EngineSettings:
+        s = self.sizes
+        longest = max(
+            max(s.ttft_prompt_lens) + 1,
+            s.decode_prompt_len + s.decode_output_len,
+            s.throughput_prompt_range[1] + s.throughput_output_range[1],
+        )
+        return engine_settings(
+            max_positions(self.model_dir(name)),
+            longest,
+            max(max(s.decode_concurrency), max(s.throughput_requests)),
+            max(s.decode_concurrency) * s.decode_prompt_len,
+        )
+
+    def engine(self, name: str):
+        if name not in self._engines:
+            llm = load_engine(self.model_dir(name), self.settings(name))
+            # Requests of a few shapes first, so first-call costs are not charged to the first test.
+            warm = fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
+            run_engine_generate(llm, warm)
+            run_engine_generate(llm, warm[:1])
+            self._engines[name] = llm
+        return self._engines[name]
+
+    def hf(self, name: str):
+        if name not in self._hf:
+            from bench.runners import run_hf_generate
+
+            model = load_hf(self.model_dir(name))
+            run_hf_generate(model, fixed_requests(4, 16, 4, self.vocab_size(name), seed=99), 4)
+            self._hf[name] = model
+        return self._hf[name]
+
+
+@pytest.fixture(scope="session")
+def bench_session(request) -> BenchSession:
+    return BenchSession(request.config._bench_sizes)
+
+
+@pytest.fixture(scope="session")
+def sizes(request) -> BenchSizes:
+    return request.config._bench_sizes
+
+
+def measured(results: list, warmup_rounds: int) -> list:
+    """Drop the warm-up rounds' results (with --benchmark-disable there were none)."""
+    return results[warmup_rounds:] if len(results) > warmup_rounds else results
+
+
+def record(benchmark, *, workload: str, model: str, system: str, param: int, results: list, **extra) -> None:
+    """The extra_info the report reads: who ran what, and per-round token counts and decode times."""
+    benchmark.extra_info.update(
+        workload=workload,
+        model=model,
+        system=system,
+        param=param,
+        tokens_generated=results[-1].tokens_generated,
+        round_elapsed_s=[r.elapsed_s for r in results],
+        round_tokens_per_s=[r.tokens_generated / r.elapsed_s for r in results],
+        **extra,
+    )
+    tpots = [r.tpot_s for r in results if r.tpot_s is not None]
+    if tpots:
+        benchmark.extra_info["round_tpot_s"] = tpots
+        benchmark.extra_info["tpot_median_s"] = statistics.median(tpots)
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Machine, command, profile, wall time and the hardware floors, measured in this same session."""
+    from bench.floors import describe_machine, measure_rates, model_floors
+
+    sizes: BenchSizes = config._bench_sizes
+    args = " ".join(shlex.quote(a) for a in config.invocation_params.args)
+    rates = measure_rates()
+    # The decode suite's shape: batch = largest concurrency, context = prompt + half the output.
+    batch = max(sizes.decode_concurrency)
+    context = sizes.decode_prompt_len + sizes.decode_output_len // 2
+    floors = {}
+    for name in sizes.models:
+        model = resolve_model(name)
+        if model.path is not None:
+            floors[name] = model_floors(model.path, rates, batch=batch, context=context)
+    output_json["compiled_engine_bench"] = {
+        "profile": sizes.profile,
+        "sizes": sizes.__dict__,
+        "command": f"{Path(sys.executable).name} -m pytest {args}",
+        "session_wall_s": time.time() - config._bench_started,
+        "machine": describe_machine(),
+        "rates": rates.__dict__,
+        "floors": floors,
+    }

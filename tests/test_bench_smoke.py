@@ -1,0 +1,127 @@
+"""The bench suites run end to end at smoke sizes, and the report and floors compute what they claim."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.floors import HardwareRates, model_floors
+from bench.workloads import hf_batches, mixed_requests, sizes_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_suites_run_at_smoke_sizes(tmp_path):
+    env = dict(os.environ, COMPILED_ENGINE_BENCH_CACHE=str(tmp_path / "cache"), TQDM_DISABLE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "bench", "-x", "-q", "--benchmark-disable",
+         "--bench-size", "smoke", "-p", "no:cacheprovider"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # ttft, decode, throughput, startup on bench-small, each for ours and HF.
+    assert "8 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_mixed_requests_are_seeded_and_fit_the_context():
+    a = mixed_requests(50, (16, 512), (16, 256), 4000, max_model_len=600, seed=7)
+    b = mixed_requests(50, (16, 512), (16, 256), 4000, max_model_len=600, seed=7)
+    assert a == b
+    assert all(len(r.prompt_token_ids) + r.output_len <= 600 for r in a)
+    assert all(16 <= r.output_len <= 256 and len(r.prompt_token_ids) >= 1 for r in a)
+    assert all(3 <= t < 4000 for r in a for t in r.prompt_token_ids)
+    assert [len(batch) for batch in hf_batches(a, 16)] == [16, 16, 16, 2]
+
+
+def test_bad_profile_and_ranges_are_rejected():
+    with pytest.raises(ValueError, match="profile"):
+        sizes_for("huge")
+    with pytest.raises(ValueError, match="max_model_len"):
+        mixed_requests(1, (16, 32), (16, 600), 100, max_model_len=512, seed=0)
+
+
+def _write_tiny_safetensors(path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {
+        "model.embed_tokens.weight": torch.zeros(10, 4),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4),
+        "model.layers.0.input_layernorm.weight": torch.zeros(4),
+        "lm_head.weight": torch.zeros(10, 4),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 4}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_floors_follow_the_byte_and_flop_counts(tmp_path):
+    _write_tiny_safetensors(tmp_path)
+    rates = HardwareRates(memory_read_gb_s=1e-6, gemm_fp32_gflop_s=1e-6, threads=1)  # 1 kB/s, 1 kFLOP/s
+    floors = model_floors(tmp_path, rates, batch=3, context=5)
+    # Read per token: q_proj 64 B + norm 16 B + lm_head 160 B (the untied embedding is a lookup).
+    assert floors["weight_bytes_read_per_step"] == 240
+    assert floors["matmul_params"] == 16 + 40
+    kv_per_seq = 2 * 1 * 1 * 2 * 5 * 4  # K and V, 1 layer, 1 kv head, head_dim 2, 5 tokens, fp32
+    assert floors["batch1_decode_floor_ms_per_token"] == pytest.approx((240 + kv_per_seq) / 1e3 * 1e3)
+    flops_per_token = 2 * 56 + 2 * 2 * 1 * 2 * 2 * 5
+    assert floors["batch_compute_floor_ms_per_step"] == pytest.approx(3 * flops_per_token / 1e3 * 1e3)
+    assert floors["batch_decode_floor_ms_per_step"] == max(
+        floors["batch_compute_floor_ms_per_step"], floors["batch_memory_floor_ms_per_step"]
+    )
+
+
+def _bench(workload, system, param, data, **info):
+    stats = {"data": data, "median": sorted(data)[len(data) // 2]}
+    extra = {"workload": workload, "model": "m", "system": system, "param": param, **info}
+    return {"name": f"{workload}-{system}-{param}", "stats": stats, "extra_info": extra}
+
+
+def test_report_tables_ratios_and_kept_reading(tmp_path):
+    sizes = sizes_for("smoke").__dict__
+    results = {
+        "compiled_engine_bench": {
+            "profile": "smoke",
+            "sizes": sizes,
+            "command": "python -m pytest bench --bench-size smoke",
+            "session_wall_s": 60.0,
+            "machine": {"cpu_model": "Test CPU", "usable_cpus": 2, "logical_cpus": 2, "torch_threads": 2,
+                        "platform": "x", "python": "3", "torch": "t", "transformers": "tf"},
+            "rates": {"memory_read_gb_s": 20.0, "gemm_fp32_gflop_s": 100.0, "threads": 2},
+            "floors": {},
+        },
+        "benchmarks": [
+            _bench("ttft", "ours", 16, [0.010, 0.020, 0.030], tokens_generated=1),
+            _bench("ttft", "hf", 16, [0.040, 0.040, 0.040], tokens_generated=1),
+            _bench("decode", "ours", 4, [1.0], tokens_generated=8, round_tpot_s=[0.1], tpot_median_s=0.1),
+            _bench("decode", "hf", 4, [1.0], tokens_generated=8, round_tpot_s=[0.05], tpot_median_s=0.05),
+            _bench("throughput", "ours", 5, [2.0], tokens_generated=100, prompt_tokens=50),
+            _bench("throughput", "hf", 5, [4.0], tokens_generated=100, prompt_tokens=50),
+        ],
+    }  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    out = report.write_report(path, tmp_path / "docs", plots=False)
+    text = out.read_text()
+    assert "| 16 | 20.0 (±10.0) | 40.0 (±0.0) | 0.50× |" in text  # TTFT ms, IQR of 10/20/30 ms
+    assert "| 4 | 100.00 (±0.00) | 50.00 (±0.00) | 2.00× | 40 | 80 |" in text  # TPOT and decode tok/s
+    assert "| 5 | 50 | 100 | 50 | 25 | 2.00× |" in text  # tokens/s, ours twice HF
+    assert "python -m pytest bench --bench-size smoke" in text and "Test CPU" in text
+
+    # A hand-written reading survives regeneration.
+    out.write_text(text.replace("(No reading written yet for this run.)", "Attention dominates."))
+    report.write_report(path, tmp_path / "docs", plots=False)
+    assert "Attention dominates." in out.read_text()
+
+
+def test_report_rejects_a_json_not_from_the_bench_suites(tmp_path, capsys):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"benchmarks": []}))
+    assert report.main([str(path), "--out-dir", str(tmp_path), "--no-plots"]) == 1
+    assert "compiled_engine_bench" in capsys.readouterr().err
