@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+# One Inductor cache for every compile in the session (and across runs on one machine): a cold
+# compile costs 7-20 s here. Set before any test imports torch._inductor, which reads it.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"compiled-engine-tests-inductor-{os.getuid()}"),
+)
 
 from tests.model_factory import make_tiny_model
 

@@ -15,7 +15,7 @@ MAX_MODEL_LEN = 96
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+    return LLM(llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, enforce_eager=True)
 
 
 def _still_serves(llm: LLM) -> None:

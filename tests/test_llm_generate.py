@@ -15,7 +15,7 @@ PROMPTS = ["def add(a, b):", "import os", "class Stack:", {"prompt_token_ids": [
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(llama_dir, dtype="float32", max_model_len=256)
+    return LLM(llama_dir, dtype="float32", max_model_len=256, enforce_eager=True)
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -77,7 +77,7 @@ def test_eos_from_generation_config_ends_the_request(tmp_path, llama_dir, llm):
     gen_cfg = json.loads(gen_cfg_path.read_text())
     gen_cfg["eos_token_id"] = [eos]
     gen_cfg_path.write_text(json.dumps(gen_cfg))
-    other = LLM(str(folder), dtype="float32", max_model_len=256)
+    other = LLM(str(folder), dtype="float32", max_model_len=256, enforce_eager=True)
     stops = other.generate("class Stack:", SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
     assert stops[0].outputs[0].finish_reason == "stop"
     assert stops[0].outputs[0].token_ids == full.token_ids[: first + 1]

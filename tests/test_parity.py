@@ -90,7 +90,7 @@ PROMPTS = {arch: _random_prompts(vocab_size=256, seed=7) for arch in ("llama", "
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_parity_concurrent(arch, model_dirs, references):
     prompts = PROMPTS[arch]
-    llm = LLM(model_dirs[arch], dtype="float32")
+    llm = LLM(model_dirs[arch], dtype="float32", enforce_eager=True)
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     excused = compare_with_reference(outputs, references(arch, prompts))
@@ -103,7 +103,9 @@ def test_greedy_parity_under_preemption(arch, model_dirs, references):
     prompts = PROMPTS[arch]
     # 40 blocks of 16 tokens = 640 tokens: the longest request (212 tokens) fits alone, but the
     # 32 together need ~2,000, so the scheduler must preempt (recompute) to make progress.
-    llm = LLM(model_dirs[arch], dtype="float32", num_kv_blocks=40, max_num_batched_tokens=512)
+    llm = LLM(
+        model_dirs[arch], dtype="float32", enforce_eager=True, num_kv_blocks=40, max_num_batched_tokens=512
+    )
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     preemptions = llm.engine.num_preemptions
@@ -118,7 +120,7 @@ def test_greedy_parity_with_chunked_prefill(arch, model_dirs, references):
     prompts = PROMPTS[arch]
     # A 48-token budget splits every prompt longer than that across several steps, and mixes
     # prompt chunks with other requests' decodes in one step.
-    llm = LLM(model_dirs[arch], dtype="float32", max_num_batched_tokens=48)
+    llm = LLM(model_dirs[arch], dtype="float32", enforce_eager=True, max_num_batched_tokens=48)
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     excused = compare_with_reference(outputs, references(arch, prompts))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -57,6 +58,8 @@ class LLMEngine:
         kv_cache_memory: int | None = None,
         seed: int = 0,
         device: str | torch.device | None = None,
+        enforce_eager: bool = False,
+        compile_buckets: Sequence[int] | None = None,
     ) -> None:
         dev = (
             torch.device(device)
@@ -133,6 +136,8 @@ class LLMEngine:
             max_model_len=max_model_len,
             device=dev,
             seed=seed,
+            enforce_eager=enforce_eager,
+            compile_buckets=compile_buckets,
         )
         runner.warm_up()
         scheduler = Scheduler(

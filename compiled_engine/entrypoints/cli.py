@@ -23,6 +23,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument(
+        "--enforce-eager", action="store_true", help="skip Inductor: run the lowered graph eagerly"
+    )
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
     return parser
 
@@ -37,7 +40,13 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+    )
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         print(out.prompt + out.outputs[0].text)
         if len(args.prompts) > 1:

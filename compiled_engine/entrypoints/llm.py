@@ -26,7 +26,12 @@ class LLM:
         kv_cache_memory: int | None = None,
         seed: int = 0,
         device: str | torch.device | None = None,
+        enforce_eager: bool = False,
+        compile_buckets: Sequence[int] | None = None,
     ) -> None:
+        """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
+        `compile_buckets` overrides the token-count buckets compiled otherwise
+        (graphs/buckets.py `default_buckets`)."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
@@ -41,6 +46,8 @@ class LLM:
             kv_cache_memory=kv_cache_memory,
             seed=seed,
             device=device,
+            enforce_eager=enforce_eager,
+            compile_buckets=compile_buckets,
         )
 
     def get_tokenizer(self):

@@ -47,6 +47,18 @@ class InputBuffers:
         self.query_start_loc = buf(s + 1, dtype=torch.int32)
         self.logits_indices = buf(s, dtype=torch.int64)
 
+    def whole(self) -> StepInputs:
+        """The whole persistent tensors: the room a compiled step pads into behind each step's views."""
+        return StepInputs(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+            logits_indices=self.logits_indices,
+        )
+
     def prepare(self, step: SchedulerOutput) -> PreparedStep:
         """Fill the buffers from the scheduler's record; return views sized to this step."""
         reqs = step.scheduled

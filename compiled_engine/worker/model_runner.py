@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from compiled_engine.graphs.capture import capture_model
+from compiled_engine.graphs.buckets import default_buckets
+from compiled_engine.graphs.capture import CapturedModel, capture_model
+from compiled_engine.graphs.compiled_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS, CompiledStep
+from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.runner_output import ModelRunnerOutput
@@ -35,18 +40,40 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         seed: int = 0,
+        enforce_eager: bool = False,
+        compile_buckets: Sequence[int] | None = None,
     ) -> None:
         self.device = device
         self.kv_caches = kv_caches
-        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_model_len, block_size, device)
-        self.captured = capture_model(model, kv_caches)
+        buffer_seqs, buffer_len = max_num_seqs, max_model_len
+        if not enforce_eager:
+            # Padding room the compiled graphs need (graphs/compiled_step.py); unused otherwise.
+            buffer_seqs = max(buffer_seqs, MIN_BUFFER_SEQS)
+            buffer_len = max(buffer_len, MIN_BUFFER_BLOCKS * block_size)
+        self.buffers = InputBuffers(max_num_batched_tokens, buffer_seqs, buffer_len, block_size, device)
+        # Eager: the lowered graphs run as they are, through Dynamo's frame (guards every step).
+        # Compiled: Inductor graphs per token-count bucket, called directly (graphs/compiled_step.py).
+        self.captured: CapturedModel | None = None
+        self.compiled_step: CompiledStep | None = None
+        self.run_graph: Callable[[StepInputs], torch.Tensor]
+        if enforce_eager:
+            self.captured = self.run_graph = capture_model(model, kv_caches)
+        else:
+            buckets = (
+                compile_buckets
+                if compile_buckets is not None
+                else default_buckets(max_num_batched_tokens, max_num_seqs)
+            )
+            self.compiled_step = CompiledStep(model, kv_caches, self.buffers.whole(), buckets)
+            self.run_graph = self.compiled_step
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
     def warm_up(self) -> None:
-        """Capture and lower the graph now, so an un-runnable model fails at start-up.
+        """Capture and lower (compiled mode: and compile one bucket) now, so an un-runnable model
+        fails at start-up; the other buckets compile on first use.
 
         Two short sequences give Dynamo the general (dynamic) shapes first. The k/v they write
         land in free blocks, which every later owner overwrites before reading.
@@ -70,7 +97,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         prepared = self.buffers.prepare(step)
-        logits = self.captured(prepared.inputs)
+        logits = self.run_graph(prepared.inputs)
         if not prepared.sampled_rows:
             return ModelRunnerOutput(request_ids=(), sampled_token_ids=())
         sampled = [step.scheduled[i] for i in prepared.sampled_rows]
