@@ -1,0 +1,690 @@
+"""One prepared device check: environment, greedy parity with transformers, decode timings.
+
+Written for a short GPU session (one command, a few minutes), and runnable on CPU so it is
+tested in CI:
+
+    python -m bench.gpu_check --device cuda --out gpu_report.md   # GPU session (default 420 s budget)
+    python -m bench.gpu_check --device cpu --quick                # CPU smoke run (tests/test_gpu_check.py)
+
+Sections run in priority order, each guarded: an error is written into the report and the run goes
+on; once `--budget-s` is spent the remaining sections are listed as skipped. The report (markdown) is
+written line by line to stdout and to `--out`, so a run killed by an outer timeout still leaves
+everything it had measured.
+
+Exit status: 1 if any parity case had an unexcused divergence or failed to run; 2 if only other
+sections failed; 0 otherwise (sections skipped for the budget do not fail the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+import torch
+
+NUM_PROMPTS = 16
+QUICK_NUM_PROMPTS = 4
+MAX_PROMPT_LEN = 100
+MAX_NEW_TOKENS = 12
+PROMPT_SEED = 7
+# A divergence is excused only where the reference's top-2 logits are this close: a near-tie that
+# rounding can flip. bf16 logits are themselves rounded to 8 significant bits, so two logits near 3
+# are either equal or 2**-6 = 0.0156 apart: a fixed 1e-2 would fail one-ulp ties. bf16 therefore
+# excuses up to TIE_ULPS_BF16 units in the last place of the top logit, and never less than 1e-2.
+TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
+TIE_ULPS_BF16 = 2
+COMPILE_BUCKETS = (1, 2, 4, 8, 16)
+QUICK_COMPILE_BUCKETS = (16,)
+# Engine limits shared by every case: prompts <= 100 tokens + 12 new fit in 128 positions, and the
+# KV cache is sized explicitly (on CUDA the engine would otherwise claim 90% of the device).
+MAX_MODEL_LEN = 128
+BLOCK_SIZE = 16
+PARITY_MAX_NUM_SEQS = 16
+EAGER_MAX_NUM_BATCHED_TOKENS = 256
+
+TIMING_PROMPT_LEN = 16
+TIMING_CONCURRENCY = (1, 16, 64)
+TIMING_BUCKETS = (1, 16, 64)
+TIMING_WARMUP_STEPS = 2
+TIMING_MEASURED_STEPS = 8
+QUICK_TIMING_WARMUP_STEPS = 2  # on CPU the first one or two decode steps of a batch run 10-100x slower
+QUICK_TIMING_MEASURED_STEPS = 3
+
+DEFAULT_BUDGET_S = 420.0
+PARITY_SECTION = "parity"
+
+
+# -- report and budget -------------------------------------------------------------------------
+
+
+class Report:
+    """Markdown lines to stdout and (line-buffered) to a file, plus the run's failure tallies."""
+
+    def __init__(self, out: Path | None) -> None:
+        self._file: TextIO | None = out.open("w", buffering=1, encoding="utf-8") if out else None
+        self.parity_failures: list[str] = []
+        self.section_errors: list[str] = []
+        self.skipped: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+        if self._file is not None:
+            self._file.write(text + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def exceeded(self) -> bool:
+        return self.elapsed() > self.seconds
+
+
+class Section(NamedTuple):
+    title: str
+    kind: str  # PARITY_SECTION or another label: decides which exit status an error maps to
+    run: Callable[[Report], None]
+
+
+def run_sections(sections: list[Section], report: Report, budget: Budget) -> None:
+    for section in sections:
+        if budget.exceeded():
+            report.line(f"\n### {section.title}\n- skipped: time budget of {budget.seconds:.0f} s spent")
+            report.skipped.append(section.title)
+            continue
+        report.line(f"\n### {section.title}")
+        started = time.perf_counter()
+        try:
+            section.run(report)
+        except Exception as exc:  # one failure must not lose the rest of a short device session
+            report.line(f"- ERROR: {type(exc).__name__}: {exc}")
+            report.line("```")
+            for tb_line in traceback.format_exc().rstrip().splitlines()[-12:]:
+                report.line(tb_line)
+            report.line("```")
+            target = report.parity_failures if section.kind == PARITY_SECTION else report.section_errors
+            target.append(f"{section.title}: {type(exc).__name__}")
+        finally:
+            _release_memory()
+        report.line(
+            f"- section time {time.perf_counter() - started:.1f} s (run total {budget.elapsed():.0f} s)"
+        )
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- environment -------------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        for text_line in Path("/proc/cpuinfo").read_text().splitlines():
+            if text_line.startswith("model name"):
+                return text_line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _optional_version(module_name: str) -> str:
+    try:
+        module = __import__(module_name)
+    except Exception as exc:  # any import failure (missing CUDA deps included) means "not usable"
+        return f"not importable ({type(exc).__name__})"
+    return str(getattr(module, "__version__", "version unknown"))
+
+
+def environment_section(device: torch.device) -> Callable[[Report], None]:
+    def run(report: Report) -> None:
+        import transformers
+
+        report.line(f"- python {platform.python_version()}, {platform.platform()}")
+        report.line(
+            f"- torch {torch.__version__} (CUDA build {torch.version.cuda}), "
+            f"transformers {transformers.__version__}"
+        )
+        report.line(f"- triton {_optional_version('triton')}, flashinfer {_optional_version('flashinfer')}")
+        report.line(f"- CPU: {_cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+        report.line(
+            f"- TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(Inductor default)')}"
+        )
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            report.line(
+                f"- device: {props.name}, capability {props.major}.{props.minor}, "
+                f"{props.multi_processor_count} SMs"
+            )
+            report.line(f"- device memory: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free")
+        else:
+            pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            report.line(f"- device: cpu, {pages * page_size / 2**30:.1f} GiB RAM")
+
+    return run
+
+
+def backends_section(report: Report) -> None:
+    # Stated, not probed: none of these backends exists in the engine yet, so there is nothing to run.
+    from compiled_engine import kernels
+
+    present = sorted(p.name for p in Path(kernels.__file__).parent.glob("*.py"))
+    report.line("- CUDA graphs (decode bucket capture): not built yet")
+    report.line("- Triton paged-attention kernel: not built yet")
+    report.line("- FlashInfer attention backend: not built yet")
+    report.line(f"- kernels/ in this checkout: {', '.join(present)}")
+
+
+# -- parity ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParityModel:
+    label: str
+    path: Path
+
+
+@dataclass
+class Comparison:
+    identical: int = 0
+    excused: int = 0
+    unexcused: list[str] = field(default_factory=list)
+    worst_excused_gap: float = 0.0
+
+
+def random_prompts(vocab_size: int, count: int, seed: int = PROMPT_SEED) -> list[list[int]]:
+    """`count` prompts of 1..MAX_PROMPT_LEN random tokens; the extremes always included."""
+    rng = random.Random(seed)
+    lengths = [1, MAX_PROMPT_LEN] + [rng.randint(1, MAX_PROMPT_LEN) for _ in range(count - 2)]
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths[:count]]
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def hf_reference(model_dir: Path, dtype: str, device: torch.device, prompts: list[list[int]]):
+    """Per prompt, alone: transformers' greedy tokens and the scores (logits) of every step."""
+    from transformers import AutoModelForCausalLM
+
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+    )
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(ids) :].tolist()
+            refs.append((tokens, [s[0].float().cpu() for s in out.scores]))
+    del model
+    return refs
+
+
+def tie_tolerance(dtype: str, top_logit: float) -> float:
+    """The widest top-2 gap at which a divergence counts as a rounding near-tie."""
+    if dtype != "bfloat16":
+        return TIE_TOLERANCE[dtype]
+    # bf16 keeps 8 significant bits: one ulp of x is 2**(floor(log2|x|) - 7).
+    ulp = 2.0 ** (math.floor(math.log2(max(abs(top_logit), 2.0**-60))) - 7)
+    return max(TIE_TOLERANCE[dtype], TIE_ULPS_BF16 * ulp)
+
+
+def compare(outputs: list[list[int]], prompts: list[list[int]], refs, dtype: str) -> Comparison:
+    """Count identical prompts, excused near-tie divergences and unexcused ones (with details)."""
+    result = Comparison()
+    for i, (ours, (ref_tokens, ref_scores)) in enumerate(zip(outputs, refs, strict=True)):
+        if len(ours) != len(ref_tokens):
+            result.unexcused.append(f"prompt {i}: {len(ours)} tokens, transformers {len(ref_tokens)}")
+            continue
+        for step, (a, b) in enumerate(zip(ours, ref_tokens, strict=True)):
+            if a == b:
+                continue
+            top2 = torch.topk(ref_scores[step], 2).values
+            gap = float(top2[0] - top2[1])
+            tolerance = tie_tolerance(dtype, float(top2[0]))
+            if gap <= tolerance:
+                result.excused += 1
+                result.worst_excused_gap = max(result.worst_excused_gap, gap)
+            else:
+                result.unexcused.append(
+                    f"prompt {i} (len {len(prompts[i])}) step {step}: ours {a}, transformers {b}, "
+                    f"top-2 gap {gap:.3g} > tolerance {tolerance:.3g}"
+                )
+            break  # after a divergence the continuations are no longer comparable
+        else:
+            result.identical += 1
+    return result
+
+
+def _tolerance_rule(dtype: str) -> str:
+    if dtype == "bfloat16":
+        return f"max({TIE_TOLERANCE[dtype]:g}, {TIE_ULPS_BF16} bf16 ulps of the top logit)"
+    return f"{TIE_TOLERANCE[dtype]:g}"
+
+
+def _parity_engine_kwargs(compile_buckets: tuple[int, ...] | None) -> dict:
+    kwargs = {
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": PARITY_MAX_NUM_SEQS,
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": PARITY_MAX_NUM_SEQS * (MAX_MODEL_LEN // BLOCK_SIZE) + 1,
+    }
+    if compile_buckets is None:
+        return {**kwargs, "enforce_eager": True, "max_num_batched_tokens": EAGER_MAX_NUM_BATCHED_TOKENS}
+    # A step budget equal to the largest bucket keeps every step (chunked prefill included) inside
+    # the buckets: the dynamic graph is never needed, which saves its cold compile.
+    return {
+        **kwargs,
+        "enforce_eager": False,
+        "compile_buckets": compile_buckets,
+        "max_num_batched_tokens": max(compile_buckets),
+    }
+
+
+class ParityRunner:
+    """Runs parity cases; transformers' references are computed once per (model, dtype)."""
+
+    def __init__(self, device: torch.device, num_prompts: int) -> None:
+        self.device = device
+        self.num_prompts = num_prompts
+        self._refs: dict[tuple[str, str], tuple[list[list[int]], list]] = {}
+
+    def _prompts_and_refs(self, model: ParityModel, dtype: str):
+        key = (model.label, dtype)
+        if key not in self._refs:
+            prompts = random_prompts(_vocab_size(model.path), self.num_prompts)
+            self._refs[key] = (prompts, hf_reference(model.path, dtype, self.device, prompts))
+        return self._refs[key]
+
+    def section(self, model: ParityModel, dtype: str, compile_buckets: tuple[int, ...] | None) -> Section:
+        mode = "eager" if compile_buckets is None else "compiled"
+        title = f"parity {model.label} {dtype} {mode}"
+
+        def run(report: Report) -> None:
+            from compiled_engine import LLM, SamplingParams
+
+            started = time.perf_counter()
+            prompts, refs = self._prompts_and_refs(model, dtype)
+            ref_s = time.perf_counter() - started
+            started = time.perf_counter()
+            llm = LLM(
+                str(model.path),
+                dtype=dtype,
+                device=str(self.device),
+                **_parity_engine_kwargs(compile_buckets),
+            )
+            start_s = time.perf_counter() - started
+            params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+            started = time.perf_counter()
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            gen_s = time.perf_counter() - started
+            result = compare([list(o.outputs[0].token_ids) for o in outputs], prompts, refs, dtype)
+            leaked = llm.engine.num_kv_blocks - llm.engine.num_free_kv_blocks()
+            report.line(
+                f"- {title}: {len(prompts)} prompts, {result.identical} identical, "
+                f"{result.excused} excused near-ties (worst gap {result.worst_excused_gap:.2g}), "
+                f"{len(result.unexcused)} unexcused divergences (tie tolerance {_tolerance_rule(dtype)})"
+            )
+            for detail in result.unexcused:
+                report.line(f"  - UNEXCUSED {detail}")
+            report.line(
+                f"- times: transformers reference {ref_s:.1f} s, engine start {start_s:.1f} s, "
+                f"generate {gen_s:.2f} s"
+            )
+            compiled = llm.engine.core.runner.compiled_step
+            if compiled is not None:
+                report.line(f"- compile s per bucket: {_format_compile_seconds(compiled.compile_seconds)}")
+            if leaked:
+                report.line(f"- KV blocks still held after generate: {leaked}")
+            if result.unexcused or leaked:
+                report.parity_failures.append(title)
+            del llm
+
+        return Section(title, PARITY_SECTION, run)
+
+
+def _format_compile_seconds(seconds: dict[int | None, float]) -> str:
+    return (
+        ", ".join(f"{'dynamic' if b is None else b}: {s:.1f}" for b, s in seconds.items()) or "none compiled"
+    )
+
+
+# -- timings -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    model_label: str
+    model_dir: Callable[[], Path]  # built lazily: bench-small is built (once) inside the guarded section
+    dtype: str
+    concurrency: tuple[int, ...]
+    buckets: tuple[int, ...]
+    warmup_steps: int
+    measured_steps: int
+    with_compiled: bool = True
+
+    @property
+    def max_num_seqs(self) -> int:
+        return max(PARITY_MAX_NUM_SEQS, *self.concurrency)
+
+    def engine_kwargs(self, compiled: bool) -> dict:
+        kwargs = {
+            "dtype": self.dtype,
+            "max_model_len": MAX_MODEL_LEN,
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": BLOCK_SIZE,
+            "num_kv_blocks": self.max_num_seqs * (MAX_MODEL_LEN // BLOCK_SIZE) + 1,
+            "max_num_batched_tokens": max(self.buckets),
+            "enforce_eager": not compiled,
+        }
+        return {**kwargs, "compile_buckets": self.buckets} if compiled else kwargs
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
+def engine_decode_step_times(
+    llm, prompts: list[list[int]], plan: TimingPlan, device: torch.device
+) -> list[float]:
+    """Seconds of each engine step once every request is decoding, after the warm-up steps."""
+    from compiled_engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(
+        max_tokens=1 + plan.warmup_steps + plan.measured_steps, temperature=0.0, ignore_eos=True
+    )
+    validated = engine.validate([{"prompt_token_ids": p} for p in prompts], params)
+    counts: dict[str, int] = {}
+    for processed, request_params in validated:
+        request_id = engine.next_request_id()
+        engine.add_request(request_id, processed, request_params)
+        counts[request_id] = 0
+    times: list[float] = []
+    while engine.has_unfinished_requests():
+        decoding = all(n > 0 for n in counts.values())
+        _sync(device)
+        started = time.perf_counter()
+        outputs = engine.step()
+        _sync(device)
+        if decoding:
+            times.append(time.perf_counter() - started)
+        for out in outputs:
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+    return times[plan.warmup_steps :]
+
+
+class _StepClock:
+    """A logits processor that notes the (synchronised) time: transformers calls it once per token."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_decode_step_times(
+    model, prompts: list[list[int]], plan: TimingPlan, device: torch.device
+) -> list[float]:
+    from transformers import LogitsProcessorList
+
+    clock = _StepClock(device)
+    new_tokens = 1 + plan.warmup_steps + plan.measured_steps
+    with torch.inference_mode():
+        model.generate(
+            torch.tensor(prompts, device=device),  # equal lengths: no padding needed
+            attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long, device=device),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    # times[0]: the prefill's logits; each later interval is one decode step.
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    return steps[plan.warmup_steps :]
+
+
+def _peak_memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"peak allocated {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"process peak RSS {rss_kib / 2**10:.0f} MiB (CPU: whole process, not per system)"
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Callable[[Report], None]:
+    def run(report: Report) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from compiled_engine import LLM
+
+        model_dir = plan.model_dir()
+        rng = random.Random(PROMPT_SEED)
+        vocab = _vocab_size(model_dir)
+        prompts = {
+            c: [[rng.randrange(3, vocab) for _ in range(TIMING_PROMPT_LEN)] for _ in range(c)]
+            for c in plan.concurrency
+        }
+        report.line(
+            f"- model {plan.model_label} ({model_dir}), {plan.dtype}, prompt {TIMING_PROMPT_LEN} tokens, "
+            f"median of {plan.measured_steps} decode steps after {plan.warmup_steps} warm-up"
+        )
+        report.line("")
+        report.line(
+            "| system | " + " | ".join(f"c={c} ms/step (tok/s)" for c in plan.concurrency) + " | memory |"
+        )
+        report.line("|---|" + "---|" * (len(plan.concurrency) + 1))
+        systems = ["eager", "compiled"] if plan.with_compiled else ["eager"]
+        compile_notes: list[str] = []
+        for system in [*systems, "hf generate"]:
+            if budget.exceeded():
+                report.line(f"| {system} | skipped: time budget spent |")
+                report.skipped.append(f"timings {system}")
+                continue
+            _reset_peak(device)
+            started = time.perf_counter()
+            if system == "hf generate":
+                runner = AutoModelForCausalLM.from_pretrained(
+                    str(model_dir), dtype=getattr(torch, plan.dtype)
+                )
+                runner = runner.to(device).eval()
+                step_times = hf_decode_step_times
+            else:
+                runner = LLM(str(model_dir), device=str(device), **plan.engine_kwargs(system == "compiled"))
+                compiled = runner.engine.core.runner.compiled_step
+                if compiled is not None:
+                    # Compile every bucket now, so no measured step pays for a compile.
+                    compiled.compile_buckets(list(plan.buckets))
+                    compile_notes.append(_format_compile_seconds(compiled.compile_seconds))
+                step_times = engine_decode_step_times
+            load_s = time.perf_counter() - started
+            cells = []
+            for c in plan.concurrency:
+                ms = _median_ms(step_times(runner, prompts[c], plan, device))
+                cells.append(f"{ms:.2f} ({c * 1e3 / ms:.0f})")
+            report.line(
+                f"| {system} | " + " | ".join(cells) + f" | {_peak_memory(device)}; ready in {load_s:.1f} s |"
+            )
+            del runner
+            _release_memory()
+        report.line("")
+        for note in compile_notes:
+            report.line(f"- compiled: compile s per bucket: {note}")
+
+    return run
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+
+def build_parity_models(root: Path, quick: bool) -> list[ParityModel]:
+    from tests.model_factory import make_tiny_model
+
+    archs = ["llama"] if quick else ["llama", "qwen3"]
+    models = [ParityModel(f"tiny-{arch}", make_tiny_model(root, arch=arch, seed=1)) for arch in archs]
+    if not quick:
+        from compiled_engine.default_model_path import default_model_dir
+
+        models.append(ParityModel("embedded", default_model_dir()))
+    return models
+
+
+def plan_sections(
+    args: argparse.Namespace, device: torch.device, budget: Budget, model_root: Path
+) -> list[Section]:
+    sections = [
+        Section("1. Environment", "environment", environment_section(device)),
+        Section("Backends", "backends", backends_section),
+    ]
+    models: list[ParityModel] = []
+
+    def build_models(report: Report) -> None:
+        models.extend(build_parity_models(model_root, args.quick))
+        report.line(f"- models: {', '.join(f'{m.label} ({m.path})' for m in models)}")
+
+    sections.append(Section("2. Parity models", PARITY_SECTION, build_models))
+    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
+    buckets = QUICK_COMPILE_BUCKETS if args.quick else COMPILE_BUCKETS
+    runner = ParityRunner(device, QUICK_NUM_PROMPTS if args.quick else NUM_PROMPTS)
+    labels = ["tiny-llama"] if args.quick else ["tiny-llama", "tiny-qwen3", "embedded"]
+
+    # Models are built by a section, so cases look their model up when they run.
+    def case(label: str, dtype: str, compiled: bool) -> Section:
+        def run(report: Report) -> None:
+            match = [m for m in models if m.label == label]
+            if not match:
+                raise RuntimeError(f"model {label} was not built (see the parity models section)")
+            runner.section(match[0], dtype, buckets if compiled else None).run(report)
+
+        return Section(f"parity {label} {dtype} {'compiled' if compiled else 'eager'}", PARITY_SECTION, run)
+
+    # Cheap eager cases first, then the first model's compiled cases; timings sit before the
+    # remaining compiled cases so a short budget still measures them.
+    sections += [case(label, dtype, False) for label in labels for dtype in dtypes]
+    compiled_cases = [case(label, dtype, True) for label in labels for dtype in dtypes]
+    first_compiled, rest_compiled = compiled_cases[:2], compiled_cases[2:]
+    sections += first_compiled
+
+    if args.quick:
+        plan = TimingPlan(
+            model_label="tiny-llama (--quick: not bench-small)",
+            model_dir=lambda: next(m.path for m in models if m.label == "tiny-llama"),
+            dtype="float32",
+            concurrency=(1,),
+            buckets=QUICK_COMPILE_BUCKETS,
+            warmup_steps=QUICK_TIMING_WARMUP_STEPS,
+            measured_steps=QUICK_TIMING_MEASURED_STEPS,
+        )
+    else:
+        from bench.models import bench_small_dir
+
+        plan = TimingPlan(
+            model_label="bench-small",
+            model_dir=bench_small_dir,
+            dtype=args.timing_dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+            concurrency=TIMING_CONCURRENCY,
+            buckets=TIMING_BUCKETS,
+            warmup_steps=TIMING_WARMUP_STEPS,
+            measured_steps=TIMING_MEASURED_STEPS,
+        )
+    sections.append(Section("3. Decode timings", "timings", timing_section(plan, device, budget)))
+    return sections + rest_compiled
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
+    parser.add_argument(
+        "--budget-s", type=float, default=DEFAULT_BUDGET_S, help="skip sections started after this"
+    )
+    parser.add_argument("--quick", action="store_true", help="CPU smoke sizes: tiny llama fp32, 4 prompts")
+    parser.add_argument("--timing-dtype", choices=["float32", "bfloat16"], default=None)
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    budget = Budget(args.budget_s)
+    report = Report(args.out)
+    report.line("# compiled-engine device check")
+    report.line(f"- command: `python -m bench.gpu_check {' '.join(sys.argv[1:] if argv is None else argv)}`")
+    report.line(f"- device {device}, quick={args.quick}, budget {args.budget_s:.0f} s")
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-check-models-") as model_root:
+            run_sections(plan_sections(args, device, budget, Path(model_root)), report, budget)
+        report.line("\n## Summary")
+        report.line(
+            f"- parity failures: {len(report.parity_failures)} {report.parity_failures or ''}".rstrip()
+        )
+        report.line(
+            f"- other section errors: {len(report.section_errors)} {report.section_errors or ''}".rstrip()
+        )
+        report.line(f"- skipped for the time budget: {len(report.skipped)} {report.skipped or ''}".rstrip())
+        report.line(f"- total {budget.elapsed():.0f} s")
+    finally:
+        report.close()
+    if report.parity_failures:
+        return 1
+    return 2 if report.section_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

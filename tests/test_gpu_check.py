@@ -1,0 +1,108 @@
+"""The prepared device check (bench/gpu_check.py) runs end to end on CPU at its --quick sizes.
+
+It runs in a subprocess exactly as a GPU session would launch it, so argument parsing, the
+report file, the section guards and the exit status are all exercised.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check") / "report.md"
+    # The environment (TORCHINDUCTOR_CACHE_DIR from tests/conftest.py included) is inherited.
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc, out
+
+
+def test_quick_run_passes_parity_eager_and_compiled(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    for mode in ("eager", "compiled"):
+        line = re.search(rf"^- parity tiny-llama float32 {mode}: (.*)$", proc.stdout, re.MULTILINE)
+        assert line, f"no {mode} parity line in:\n{proc.stdout}"
+        assert "4 prompts" in line.group(1)
+        assert " 0 unexcused divergences" in line.group(1)
+    assert "ERROR" not in proc.stdout
+    # The report file holds the same markdown as stdout.
+    assert out.read_text(encoding="utf-8") == proc.stdout
+
+
+def test_quick_run_reports_environment_backends_and_timings(quick_run):
+    proc, _ = quick_run
+    report = proc.stdout
+    assert re.search(r"^- torch \S+ .*transformers \S+", report, re.MULTILINE)
+    for backend in ("CUDA graphs", "Triton", "FlashInfer"):
+        assert re.search(rf"^- {backend}.*: not built yet$", report, re.MULTILINE), backend
+    rows = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^\| (eager|compiled|hf generate) \| ([0-9.]+) \(", report, re.MULTILINE)
+    }
+    assert set(rows) == {"eager", "compiled", "hf generate"}, report
+    assert all(ms > 0 for ms in rows.values())
+    assert re.search(r"compile s per bucket: 16: [0-9.]+", report)
+    assert "- parity failures: 0" in report
+
+
+def test_bad_budget_is_rejected():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--budget-s", "0"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--budget-s must be positive" in proc.stderr
+
+
+def test_exhausted_budget_skips_sections_with_a_note(tmp_path):
+    # A budget spent before the first section: every section is listed as skipped, nothing runs.
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--budget-s", "1e-9"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "- skipped: time budget of" in proc.stdout
+    assert "### parity tiny-llama float32 eager\n- skipped" in proc.stdout
+    assert "parity tiny-llama float32 eager:" not in proc.stdout
+
+
+def test_compare_excuses_only_near_ties():
+    import torch
+
+    from bench.gpu_check import compare, tie_tolerance
+
+    def scores(top: float, second: float) -> torch.Tensor:
+        return torch.tensor([top, second, -5.0])
+
+    refs = [
+        ([0, 0], [scores(1.0, 0.0), scores(1.0, 0.0)]),  # identical
+        ([0, 1], [scores(1.0, 0.0), scores(3.0, 3.0 - 1e-5)]),  # diverges at a near-tie
+        ([0, 0], [scores(3.0, 2.0), scores(1.0, 0.0)]),  # diverges where the gap is 1.0
+    ]
+    ours = [[0, 0], [0, 0], [1, 0]]
+    result = compare(ours, [[5], [6], [7]], refs, "float32")
+    assert (result.identical, result.excused) == (1, 1)
+    assert len(result.unexcused) == 1 and "prompt 2 (len 1) step 0" in result.unexcused[0]
+    # bf16: a one-ulp tie at logit 3 (2**-6 apart) is excused; fp32's 1e-4 would not excuse it.
+    assert tie_tolerance("bfloat16", 3.0) >= 2.0**-6 > tie_tolerance("float32", 3.0)
+    assert tie_tolerance("bfloat16", 0.5) == 1e-2
