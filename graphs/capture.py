@@ -13,6 +13,13 @@ lower_sdpa pass. The backend runs the pass manager (lower SDPA, DCE, lowering ch
 GraphModule Dynamo hands it and returns it eager — or hands it to `graph_compiler` (Inductor)
 when one is given, after the passes.
 
+With `fuse_linears=True` the backend first freezes the weights into graph constants
+(graphs/passes/freeze_parameters.py) and the pass manager fuses sibling linears (q/k/v,
+gate/up) into one GEMM each (graphs/passes/fuse_linears.py), all graphs of one model sharing
+one copy of the concatenated weights. The frozen graph takes fewer inputs: `graph_compiler`
+gets that graph and only its kept example inputs, and the placeholders left on the graph (the
+ones a CallingConvention reads) are exactly the inputs the graph still takes.
+
 Graphs per model: Dynamo specialises sizes 0 and 1 of every dynamic dimension (T, S, K and
 the block-table width), so a serving run typically captures 3–6 graphs: the general one,
 single-sequence prefill (S = K = 1), one-token decode (T = S = K = 1), a prefill chunk that
@@ -38,9 +45,15 @@ from compiled_engine.graphs.attention_interface import (
     register_paged_attention,
     step_attention_kwargs,
 )
-from compiled_engine.graphs.pass_manager import PassManager, PassReport
+from compiled_engine.graphs.pass_manager import GraphPass, PassManager, PassReport, PassResult
 from compiled_engine.graphs.passes.check_lowering import CheckLowering
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from compiled_engine.graphs.passes.freeze_parameters import (
+    FreezeParameters,
+    frozen_callable,
+    kept_example_inputs,
+)
+from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
 from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 
@@ -52,11 +65,21 @@ _step_ids = itertools.count()
 GraphCompiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
 
-def default_pass_manager(model_class_name: str, num_attention_layers: int | None) -> PassManager:
-    """Lower direct SDPA, drop the dead mask subgraph and marker, then refuse leftover attention."""
-    return PassManager(
-        [LowerSdpa(), DeadCodeElimination(), CheckLowering(model_class_name, num_attention_layers)]
-    )
+def default_pass_manager(
+    model_class_name: str,
+    num_attention_layers: int | None,
+    fused_weights: FusedWeightCache | None = None,
+) -> PassManager:
+    """Lower direct SDPA, drop the dead mask subgraph and marker, then refuse leftover attention.
+
+    With `fused_weights` (the model's shared cache of concatenated weights), sibling linears
+    are fused after the SDPA lowering; that needs graphs whose weights were frozen first.
+    """
+    passes: list[GraphPass] = [LowerSdpa()]
+    if fused_weights is not None:
+        passes.append(FuseLinears(fused_weights))
+    passes += [DeadCodeElimination(), CheckLowering(model_class_name, num_attention_layers)]
+    return PassManager(passes)
 
 
 def _run_model(
@@ -77,7 +100,8 @@ class CapturedModel:
     """One model's captured step: `__call__(StepInputs) -> logits [K, vocab]`.
 
     `graphs` holds every lowered GraphModule traced so far (one per shape specialisation) and
-    `pass_log` the matching PassReports, in capture order.
+    `pass_log` the matching PassReports, in capture order. With `freeze_parameters`, each
+    graph's weights are frozen (FreezeParameters, first in its report) before `pass_manager` runs.
     """
 
     def __init__(
@@ -86,8 +110,10 @@ class CapturedModel:
         kv_caches: list[torch.Tensor],
         pass_manager: PassManager,
         graph_compiler: GraphCompiler | None = None,
+        freeze_parameters: bool = False,
     ) -> None:
         self.model = model
+        self.freeze_parameters = freeze_parameters
         self.kv_caches = kv_caches
         self.pass_manager = pass_manager
         self.graphs: list[fx.GraphModule] = []
@@ -108,12 +134,23 @@ class CapturedModel:
         )
 
     def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        num_dynamo_inputs = len(example_inputs)
+        kept: tuple[int, ...] = tuple(range(num_dynamo_inputs))
+        frozen: tuple[PassResult, ...] = ()
+        if self.freeze_parameters:
+            # Per graph: the pass needs this graph's example inputs to tell weights apart.
+            freeze = FreezeParameters(example_inputs)
+            frozen = (freeze(gm),)
+            kept = freeze.kept_input_indices or ()
         report = self.pass_manager(gm)
+        report = PassReport(frozen + report.results)
         self.graphs.append(gm)
         self.pass_log.append(report)
         if self._graph_compiler is not None:
-            return self._graph_compiler(gm, example_inputs)
-        return gm.forward
+            run = self._graph_compiler(gm, kept_example_inputs(example_inputs, kept))
+        else:
+            run = gm.forward
+        return frozen_callable(run, kept, num_dynamo_inputs)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         # specialize_float: float attributes such as the attention scale stay Python floats
@@ -181,13 +218,15 @@ def capture_model(
     model: torch.nn.Module,
     kv_caches: list[torch.Tensor],
     graph_compiler: GraphCompiler | None = None,
+    fuse_linears: bool = False,
 ) -> CapturedModel:
     """Prepare `model` for serving with paged attention; graphs are traced on first calls.
 
     `kv_caches`: one [2, num_blocks, block_size, Hkv, D] tensor per attention layer, the same
     list (same tensors) for every step. The model is switched to eval mode, its parameters
     stop requiring grad (Inductor would otherwise trace a backward through the custom op), and
-    HF models are switched to our attention implementation.
+    HF models are switched to our attention implementation. `fuse_linears`: freeze the weights
+    into the graphs and fuse sibling linears (module docstring).
     """
     _check_kv_caches(kv_caches)
     register_paged_attention()
@@ -197,5 +236,7 @@ def capture_model(
         # Models that cannot switch (no AttentionInterface support) keep theirs, with a warning
         # from transformers, and go through the SDPA lowering pass instead.
         model.set_attn_implementation(ATTENTION_NAME)
-    pass_manager = default_pass_manager(type(model).__name__, len(kv_caches))
-    return CapturedModel(model, kv_caches, pass_manager, graph_compiler)
+    # One cache per captured model: its graphs share one copy of each concatenated weight.
+    fused_weights = FusedWeightCache() if fuse_linears else None
+    pass_manager = default_pass_manager(type(model).__name__, len(kv_caches), fused_weights)
+    return CapturedModel(model, kv_caches, pass_manager, graph_compiler, freeze_parameters=fuse_linears)

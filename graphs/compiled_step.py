@@ -1,12 +1,14 @@
 """Inductor-compiled step graphs, one per token-count bucket, called without Dynamo.
 
-`CompiledStep(model, kv_caches, buffers, buckets)`:
-1. traces the step once through Dynamo (graphs/capture.py, passes included) on a synthetic
+`CompiledStep(model, kv_caches, buffers, buckets, fuse_linears=True)`:
+1. traces the step once through Dynamo (graphs/capture.py, passes included: with
+   `fuse_linears`, weights frozen and q/k/v and gate/up fused into one GEMM each) on a synthetic
    step whose T, S, K and block-table width are all different and >= 2, with duck shaping
    off, so the one general graph keeps every size as its own symbol (duck shaping would tie
    equal example sizes together, and 0/1 sizes would be specialised). The synthetic step's
    slot_mapping is all -1: tracing writes nothing into the KV cache;
-2. freezes the graph's calling convention (graphs/calling_convention.py);
+2. freezes the graph's calling convention (graphs/calling_convention.py), read after the
+   passes: frozen weights are no longer inputs, the compiled graph holds them;
 3. compiles it with Inductor (`torch._inductor.standalone_compile`) per bucket, static in T,
    S and K and dynamic in the block-table width (graphs/buckets.py says why), lazily on first
    use or up front with `compile_buckets()`; plus once with all sizes dynamic for steps above
@@ -85,14 +87,17 @@ def _trace_inputs(device: torch.device) -> StepInputs:
 class TracedStep:
     """The one general lowered graph of a model's step, with its calling convention."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[torch.Tensor], fuse_linears: bool = True
+    ) -> None:
         recorded: list[tuple[fx.GraphModule, list[Any], CallingConvention]] = []
 
         def record(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
             recorded.append((gm, list(example_inputs), CallingConvention.from_graph(gm)))
             return gm.forward
 
-        captured = capture_model(model, kv_caches, graph_compiler=record)
+        # `record` runs after the passes, on the frozen graph and its kept example inputs.
+        captured = capture_model(model, kv_caches, graph_compiler=record, fuse_linears=fuse_linears)
         with fx_config.patch(use_duck_shape=False), torch.inference_mode():
             captured(_trace_inputs(kv_caches[0].device))
         if len(recorded) != 1:
@@ -109,6 +114,7 @@ class CompiledStep:
     `buffers`: the runner's whole persistent tensors (a StepInputs of full-size buffers, with
     the room `check_buffer_room` asks for); each step's inputs must be views at their front
     (worker/input_buffers.py), so padding is written in place behind them.
+    `fuse_linears`: fuse sibling linears into one GEMM each (graphs/passes/fuse_linears.py).
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class CompiledStep:
         kv_caches: list[torch.Tensor],
         buffers: StepInputs,
         buckets: Sequence[int],
+        fuse_linears: bool = True,
     ) -> None:
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -124,7 +131,7 @@ class CompiledStep:
         self.max_num_seqs = buffers.seq_lens.shape[0]
         self.buckets = check_buckets(buckets, self.max_num_tokens)
         check_buffer_room(buffers)
-        self.traced = TracedStep(model, kv_caches)
+        self.traced = TracedStep(model, kv_caches, fuse_linears)
         self._build_args = self.traced.convention.bind(model)
         self._artifacts: dict[int | None, Callable[..., Any]] = {}
         # Seconds each compile took, keyed by bucket (None: the dynamic graph).

@@ -60,6 +60,7 @@ class LLMEngine:
         device: str | torch.device | None = None,
         enforce_eager: bool = False,
         compile_buckets: Sequence[int] | None = None,
+        fuse_linears: bool = True,
     ) -> None:
         dev = (
             torch.device(device)
@@ -138,6 +139,7 @@ class LLMEngine:
             seed=seed,
             enforce_eager=enforce_eager,
             compile_buckets=compile_buckets,
+            fuse_linears=fuse_linears,
         )
         runner.warm_up()
         scheduler = Scheduler(

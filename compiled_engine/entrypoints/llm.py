@@ -28,10 +28,12 @@ class LLM:
         device: str | torch.device | None = None,
         enforce_eager: bool = False,
         compile_buckets: Sequence[int] | None = None,
+        fuse_linears: bool = True,
     ) -> None:
         """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
         `compile_buckets` overrides the token-count buckets compiled otherwise
-        (graphs/buckets.py `default_buckets`)."""
+        (graphs/buckets.py `default_buckets`); `fuse_linears` makes the compiled graphs run q/k/v
+        and gate/up as one GEMM each (graphs/passes/fuse_linears.py; ignored when eager)."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
@@ -48,6 +50,7 @@ class LLM:
             device=device,
             enforce_eager=enforce_eager,
             compile_buckets=compile_buckets,
+            fuse_linears=fuse_linears,
         )
 
     def get_tokenizer(self):

@@ -42,6 +42,7 @@ class ModelRunner:
         seed: int = 0,
         enforce_eager: bool = False,
         compile_buckets: Sequence[int] | None = None,
+        fuse_linears: bool = True,
     ) -> None:
         self.device = device
         self.kv_caches = kv_caches
@@ -52,7 +53,9 @@ class ModelRunner:
             buffer_len = max(buffer_len, MIN_BUFFER_BLOCKS * block_size)
         self.buffers = InputBuffers(max_num_batched_tokens, buffer_seqs, buffer_len, block_size, device)
         # Eager: the lowered graphs run as they are, through Dynamo's frame (guards every step).
-        # Compiled: Inductor graphs per token-count bucket, called directly (graphs/compiled_step.py).
+        # Compiled: Inductor graphs per token-count bucket, called directly (graphs/compiled_step.py),
+        # with sibling linears fused when `fuse_linears` (the eager path never fuses: its graphs
+        # are for debugging and stay one-to-one with the model's modules).
         self.captured: CapturedModel | None = None
         self.compiled_step: CompiledStep | None = None
         self.run_graph: Callable[[StepInputs], torch.Tensor]
@@ -64,7 +67,9 @@ class ModelRunner:
                 if compile_buckets is not None
                 else default_buckets(max_num_batched_tokens, max_num_seqs)
             )
-            self.compiled_step = CompiledStep(model, kv_caches, self.buffers.whole(), buckets)
+            self.compiled_step = CompiledStep(
+                model, kv_caches, self.buffers.whole(), buckets, fuse_linears=fuse_linears
+            )
             self.run_graph = self.compiled_step
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
