@@ -50,10 +50,6 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
 
-    @property
-    def num_live(self) -> int:
-        return len(self._states)
-
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         results: list[RequestOutput] = []
         stopped: list[str] = []
