@@ -21,6 +21,7 @@ from bench.runners import EngineSettings, engine_settings, load_engine, load_hf,
 from bench.workloads import SIZE_PROFILES, BenchSizes, fixed_requests, sizes_for
 
 SYSTEMS = ("ours", "hf")
+BENCH_DTYPES = ("float32", "bfloat16")
 
 
 def pytest_addoption(parser):
@@ -32,6 +33,12 @@ def pytest_addoption(parser):
         help="workload sizes: full (default), quick (reduced), smoke (CI: every path once)",
     )
     group.addoption("--bench-quick", action="store_true", help="shorthand for --bench-size quick")
+    group.addoption(
+        "--bench-dtype",
+        choices=BENCH_DTYPES,
+        default=None,
+        help="weights and activations for both systems: float32 (default) or bfloat16 (or env BENCH_DTYPE)",
+    )
 
 
 def _profile(config) -> str:
@@ -42,6 +49,10 @@ def _profile(config) -> str:
 
 def pytest_configure(config):
     config._bench_sizes = sizes_for(_profile(config))
+    dtype = config.getoption("--bench-dtype") or os.environ.get("BENCH_DTYPE") or "float32"
+    if dtype not in BENCH_DTYPES:
+        raise pytest.UsageError(f"BENCH_DTYPE must be one of {BENCH_DTYPES}, got {dtype!r}")
+    config._bench_dtype = dtype
     config._bench_started = time.time()
 
 
@@ -62,8 +73,9 @@ def pytest_generate_tests(metafunc):
 class BenchSession:
     """Models, engines and HF models, each built once per session and only when a test needs it."""
 
-    def __init__(self, sizes: BenchSizes) -> None:
+    def __init__(self, sizes: BenchSizes, dtype: str = "float32") -> None:
         self.sizes = sizes
+        self.dtype = dtype
         self._engines: dict[str, object] = {}
         self._hf: dict[str, object] = {}
 
@@ -94,7 +106,7 @@ class BenchSession:
 
     def engine(self, name: str):
         if name not in self._engines:
-            llm = load_engine(self.model_dir(name), self.settings(name))
+            llm = load_engine(self.model_dir(name), self.settings(name), self.dtype)
             # Requests of a few shapes first, so first-call costs are not charged to the first test.
             warm = fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
             run_engine_generate(llm, warm)
@@ -106,7 +118,7 @@ class BenchSession:
         if name not in self._hf:
             from bench.runners import run_hf_generate
 
-            model = load_hf(self.model_dir(name))
+            model = load_hf(self.model_dir(name), self.dtype)
             run_hf_generate(model, fixed_requests(4, 16, 4, self.vocab_size(name), seed=99), 4)
             self._hf[name] = model
         return self._hf[name]
@@ -114,7 +126,7 @@ class BenchSession:
 
 @pytest.fixture(scope="session")
 def bench_session(request) -> BenchSession:
-    return BenchSession(request.config._bench_sizes)
+    return BenchSession(request.config._bench_sizes, request.config._bench_dtype)
 
 
 @pytest.fixture(scope="session")
@@ -162,6 +174,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
             floors[name] = model_floors(model.path, rates, batch=batch, context=context)
     output_json["compiled_engine_bench"] = {
         "profile": sizes.profile,
+        "dtype": config._bench_dtype,
         "sizes": sizes.__dict__,
         "command": f"{Path(sys.executable).name} -m pytest {args}",
         "session_wall_s": time.time() - config._bench_started,

@@ -33,9 +33,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 import torch
+
+if TYPE_CHECKING:
+    from compiled_engine.graphs.device import DeviceRuntime
 
 NUM_PROMPTS = 16
 QUICK_NUM_PROMPTS = 4
@@ -64,6 +67,15 @@ TIMING_WARMUP_STEPS = 2
 TIMING_MEASURED_STEPS = 8
 QUICK_TIMING_WARMUP_STEPS = 2  # on CPU the first one or two decode steps of a batch run 10-100x slower
 QUICK_TIMING_MEASURED_STEPS = 3
+
+# Bucket graphs: a standalone toy step captured per bucket through graphs/device.py.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+QUICK_GRAPH_BUCKETS = (1, 4)
+GRAPH_TIMED_CALLS = 50
+QUICK_GRAPH_TIMED_CALLS = 5
+# Relative to the largest |logit|: a replay runs the kernels the plain call ran, so only a
+# different cuBLAS algorithm inside the capture could move a logit, by fp32 rounding.
+GRAPH_TOLERANCE = 1e-5
 
 DEFAULT_BUDGET_S = 420.0
 PARITY_SECTION = "parity"
@@ -201,10 +213,194 @@ def backends_section(report: Report) -> None:
     from compiled_engine import kernels
 
     present = sorted(p.name for p in Path(kernels.__file__).parent.glob("*.py"))
-    report.line("- CUDA graphs (decode bucket capture): not built yet")
+    report.line(
+        "- CUDA graphs (decode bucket capture): device layer built (graphs/device.py, "
+        "graphs/bucket_graphs.py), not yet used by the engine; checked standalone below"
+    )
     report.line("- Triton paged-attention kernel: not built yet")
     report.line("- FlashInfer attention backend: not built yet")
     report.line(f"- kernels/ in this checkout: {', '.join(present)}")
+
+
+# -- bucket graphs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToyDims:
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int
+    context: int  # cache rows each token attends over, gathered through its index-table row
+    cache_rows: int
+
+
+TOY_DIMS = ToyDims(vocab=4096, hidden=256, ffn=1024, layers=2, context=32, cache_rows=4096)
+QUICK_TOY_DIMS = ToyDims(vocab=256, hidden=32, ffn=64, layers=1, context=8, cache_rows=256)
+
+
+def _toy_step(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    context: torch.Tensor,
+    cache: torch.Tensor,
+    emb: torch.Tensor,
+    pos_emb: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    x = emb[ids] + pos_emb[positions]
+    # In place into a persistent cache, like the KV write: the graph must mutate the real buffer.
+    cache.index_copy_(0, slots, x)
+    keys = cache[context]  # [T, C, H], like a block-table gather (this step's rows included)
+    scores = (keys @ x[:, :, None]).squeeze(-1) / math.sqrt(x.shape[-1])
+    x = x + (torch.softmax(scores, dim=-1)[:, :, None] * keys).sum(1)
+    for layer in range(w_up.shape[0]):
+        x = x + torch.nn.functional.silu(x @ w_up[layer]) @ w_down[layer]
+    return x @ emb.T
+
+
+class ToyStep:
+    """A small decode-shaped step on persistent buffers, compiled by Inductor per bucket.
+
+    It stands in for the engine's compiled step (which needs a capture-safe paged-attention
+    write before it can be captured): inputs are views at the front of whole buffers, updated
+    in place, and the step writes into a cache and gathers from it through an index table.
+    """
+
+    def __init__(self, dims: ToyDims, max_tokens: int, device: torch.device) -> None:
+        self.dims = dims
+        self.device = device
+        gen = torch.Generator().manual_seed(PROMPT_SEED)
+
+        def param(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(device)
+
+        self.weights = (
+            param(dims.vocab, dims.hidden),
+            param(max_tokens, dims.hidden),
+            param(dims.layers, dims.hidden, dims.ffn),
+            param(dims.layers, dims.ffn, dims.hidden),
+        )
+        self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slots = torch.arange(max_tokens, dtype=torch.int64, device=device)
+        self.context = torch.zeros(max_tokens, dims.context, dtype=torch.int64, device=device)
+        self.cache = torch.zeros(dims.cache_rows, dims.hidden, device=device)
+        # One Dynamo entry per bucket shape, called directly afterwards as the engine calls its
+        # artifacts; failing on the recompile limit rules out a silent fall-back to eager.
+        self._compiled = torch.compile(_toy_step, fullgraph=True, dynamic=False)
+
+    def fill(self, seed: int) -> None:
+        """New input values, written in place into the persistent buffers."""
+        gen = torch.Generator().manual_seed(seed)
+        n, dims = self.ids.shape[0], self.dims
+        self.ids.copy_(torch.randint(dims.vocab, (n,), generator=gen))
+        self.positions.copy_(torch.randint(n, (n,), generator=gen))
+        # Distinct slots: index_copy_ with a repeated index has no defined winner.
+        self.slots.copy_(torch.randperm(dims.cache_rows, generator=gen)[:n])
+        self.context.copy_(torch.randint(dims.cache_rows, (n, dims.context), generator=gen))
+        self.cache.copy_(torch.randn(dims.cache_rows, dims.hidden, generator=gen))
+
+    def fn(self, bucket: int) -> Callable[[], torch.Tensor]:
+        views = (self.ids[:bucket], self.positions[:bucket], self.slots[:bucket], self.context[:bucket])
+        compiled, cache, weights = self._compiled, self.cache, self.weights
+
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                return compiled(*views, cache, *weights)
+
+        return step
+
+
+def _median_call_ms(call: Callable[[], object], runtime: DeviceRuntime, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        runtime.synchronize()
+        started = time.perf_counter()
+        call()
+        runtime.synchronize()
+        times.append(time.perf_counter() - started)
+    return _median_ms(times)
+
+
+def _format_bytes(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def bucket_graphs_section(device: torch.device, quick: bool) -> Callable[[Report], None]:
+    def run(report: Report) -> None:
+        from compiled_engine.graphs.bucket_graphs import BucketGraphs
+        from compiled_engine.graphs.device import runtime_for
+
+        buckets = QUICK_GRAPH_BUCKETS if quick else GRAPH_BUCKETS
+        calls = QUICK_GRAPH_TIMED_CALLS if quick else GRAPH_TIMED_CALLS
+        dims = QUICK_TOY_DIMS if quick else TOY_DIMS
+        runtime = runtime_for(device)
+        toy = ToyStep(dims, max(buckets), device)
+        toy.fill(seed=0)
+        report.line(
+            f"- runtime {type(runtime).__name__} (device graphs: {runtime.supports_graphs}); toy step "
+            f"{dims}, fp32, Inductor per bucket; buckets {buckets}; median of {calls} calls"
+        )
+        compile_s: dict[int, float] = {}
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for bucket in buckets:
+                started = time.perf_counter()
+                toy.fn(bucket)()
+                runtime.synchronize()
+                compile_s[bucket] = time.perf_counter() - started
+            # Cached blocks left by the compiles would be released by the first capture and
+            # hide part of what the captures add.
+            _release_memory()
+            memory_before = runtime.memory_in_use()
+            graphs = BucketGraphs(runtime, buckets)
+            graphs.capture_all(toy.fn)
+            memory_added = runtime.memory_in_use() - memory_before
+
+        report.line(f"- capture order: {list(graphs.captured_buckets)}")
+        report.line("")
+        report.line(
+            "| bucket | compile s | capture s | graph memory | plain ms | replay ms | speedup | max diff |"
+        )
+        report.line("|---|---|---|---|---|---|---|---|")
+        failures: list[str] = []
+        for bucket in buckets:
+            fn = toy.fn(bucket)
+            diffs, plains = [], []
+            # Two rounds of new buffer contents: a replay that ignored the in-place update would
+            # return the first round's logits in the second.
+            for round_seed in (1, 2):
+                toy.fill(seed=1000 * bucket + round_seed)
+                plain = fn().clone()
+                replayed = graphs.replay(bucket).clone()
+                runtime.synchronize()
+                diffs.append(float((plain - replayed).abs().max()))
+                plains.append(plain)
+            if torch.equal(plains[0], plains[1]):
+                failures.append(f"bucket {bucket}: new inputs did not change the output (check is vacuous)")
+            scale = max(1.0, max(float(p.abs().max()) for p in plains))
+            if max(diffs) > GRAPH_TOLERANCE * scale:
+                failures.append(f"bucket {bucket}: replay differs from the plain call by {max(diffs):.3g}")
+            plain_ms = _median_call_ms(fn, runtime, calls)
+            replay_ms = _median_call_ms(lambda b=bucket: graphs.replay(b), runtime, calls)
+            report.line(
+                f"| {bucket} | {compile_s[bucket]:.1f} | {graphs.capture_seconds[bucket]:.2f} | "
+                f"{_format_bytes(graphs.graph_memory[bucket])} | {plain_ms:.3f} | {replay_ms:.3f} | "
+                f"{plain_ms / replay_ms:.2f}x | {max(diffs):.2g} |"
+            )
+        report.line("")
+        report.line(
+            f"- graph memory total {_format_bytes(graphs.memory_bytes)} (sum per bucket); reserved by "
+            f"the allocator across the captures {_format_bytes(memory_added)}"
+        )
+        for failure in failures:
+            report.line(f"- MISMATCH {failure}")
+        if failures:
+            raise RuntimeError(f"{len(failures)} bucket graph check(s) failed")
+
+    return run
 
 
 # -- parity ------------------------------------------------------------------------------------
@@ -586,6 +782,8 @@ def plan_sections(
     sections = [
         Section("1. Environment", "environment", environment_section(device)),
         Section("Backends", "backends", backends_section),
+        # Cheap (a tiny model, seconds per bucket) and the newest device code: before parity.
+        Section("Bucket graphs", "graphs", bucket_graphs_section(device, args.quick)),
     ]
     models: list[ParityModel] = []
 

@@ -177,31 +177,40 @@ def throughput_section(results, plot_name: str | None) -> list[str]:
 
 def startup_section(results) -> list[str]:
     lines = [
-        "## Start-up (cold: fresh process to first token)",
+        "## Start-up (fresh process to first token)",
         "",
-        "Warm start (compile cache reused across processes) does not exist yet; only cold is measured.",
+        "cold: an empty compile cache (Inductor's included); warm: the cache a previous process "
+        "filled (no trace, no compile). HF has no compile cache: its warm row is its cold path again.",
         "",
-        "| model | ours s | HF s | ratio | ours import / build / first token (s) "
+        "| model | start | ours s | HF s | ratio | ours import / build / first token (s) "
         "| HF import / build / first token (s) |",
-        "|---|---:|---:|---:|---|---|",
+        "|---|---|---:|---:|---:|---|---|",
     ]
     for model in _models(results, "startup"):
-        ours, hf = _pair(results, "startup", model, 0)
+        for param, start in ((0, "cold"), (1, "warm")):
+            ours, hf = _pair(results, "startup", model, param)
+            if ours is None and hf is None:
+                continue
 
-        def phases(bench):
-            if bench is None:
-                return "—"
-            ps = bench["extra_info"]["phases"]
-            return " / ".join(
-                f"{statistics.median(p[k] for p in ps):.1f}" for k in ("import_s", "build_s", "first_token_s")
+            def phases(bench):
+                if bench is None:
+                    return "—"
+                ps = bench["extra_info"]["phases"]
+                return " / ".join(
+                    f"{statistics.median(p[k] for p in ps):.1f}"
+                    for k in ("import_s", "build_s", "first_token_s")
+                )
+
+            o = _latency(ours, 1) if ours else None
+            h = _latency(hf, 1) if hf else None
+            lines.append(
+                f"| {model} | {start} | {o.show() if o else '—'} | {h.show() if h else '—'} | "
+                f"{_ratio(o and o.median, h and h.median)} | {phases(ours)} | {phases(hf)} |"
             )
-
-        o = _latency(ours, 1) if ours else None
-        h = _latency(hf, 1) if hf else None
-        lines.append(
-            f"| {model} | {o.show() if o else '—'} | {h.show() if h else '—'} | "
-            f"{_ratio(o and o.median, h and h.median)} | {phases(ours)} | {phases(hf)} |"
-        )
+        cold, warm = (_pair(results, "startup", model, p)[0] for p in (0, 1))
+        if cold and warm:
+            c, w = _latency(cold, 1).median, _latency(warm, 1).median
+            lines.append(f"| {model} | warm / cold (ours) | {w / c:.2f} | | | | |")
     lines.append("")
     return lines
 
@@ -263,14 +272,15 @@ def header(context: dict) -> list[str]:
         f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs ({m['logical_cpus']} logical), "
         f"{m['torch_threads']} torch threads; {m['platform']}",
         f"- Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}",
-        f"- Models: {', '.join(s['models'])}; fp32, greedy, same weights on both sides",
+        f"- Models: {', '.join(s['models'])}; {context.get('dtype', 'float32')}, greedy, same weights "
+        "on both sides",
         f"- TTFT prompts {s['ttft_prompt_lens']}, {s['ttft_rounds']} rounds + 1 warm-up",
         f"- Decode: concurrency {s['decode_concurrency']}, prompt {s['decode_prompt_len']} → "
         f"{s['decode_output_len']} tokens, {s['decode_rounds']} rounds + 1 warm-up",
         f"- Throughput: {s['throughput_requests']} requests, prompt lengths {s['throughput_prompt_range']}, "
         f"output lengths {s['throughput_output_range']} (uniform, seeded), "
         f"{s['throughput_rounds']} round(s), no warm-up round; HF in static batches of {s['hf_batch_size']}",
-        f"- Cold start: {s['startup_rounds']} fresh process(es) per system",
+        f"- Start-up: {s['startup_rounds']} fresh process(es) per system, cold and warm",
         "",
     ]
 
@@ -278,8 +288,9 @@ def header(context: dict) -> list[str]:
 METHOD = """## Method
 
 - Both systems run in the same pytest session, one after the other, on the same cores, with the same
-  weights, greedy, fp32, and always the requested number of tokens (ours: `ignore_eos=True`; HF:
-  `min_new_tokens = max_new_tokens`). Each pair shares one pytest-benchmark group.
+  weights, greedy, the same dtype (fp32 unless `--bench-dtype bfloat16`), and always the requested
+  number of tokens (ours: `ignore_eos=True`; HF: `min_new_tokens = max_new_tokens`). Each pair
+  shares one pytest-benchmark group.
 - Ours: `LLM.generate` (TTFT, throughput) or `engine.add_request` + `engine.step()` by hand (decode).
   HF: `model.generate` on left-padded batches with an attention mask, eager, default attention.
 - TTFT: one request, `max_tokens=1`: prefill plus the first sample.

@@ -65,10 +65,10 @@ def engine_settings(max_positions: int, longest_request: int, max_concurrency: i
     )
 
 
-def load_engine(model_dir: Path, settings: EngineSettings):
+def load_engine(model_dir: Path, settings: EngineSettings, dtype: str = "float32"):
     from compiled_engine import LLM
 
-    return LLM(model=str(model_dir), dtype="float32", **settings.as_kwargs())
+    return LLM(model=str(model_dir), dtype=dtype, **settings.as_kwargs())
 
 
 def _greedy(max_tokens: int):
@@ -128,10 +128,10 @@ def run_engine_decode(llm, requests: list[BenchRequest]) -> RunResult:
 # -- Hugging Face ------------------------------------------------------------------------------
 
 
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     return model.eval()
 
 

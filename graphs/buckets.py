@@ -5,9 +5,10 @@ rows); a step with n tokens runs in the smallest bucket >= n, padded. Steps abov
 bucket run the one dynamic-shape graph.
 
 Padding rule (the paged-attention op's contract, kernels/reference.py):
-- tokens n..T-1: input id 0, position 0, slot_mapping -1. The op writes no -1 slot, and rows
-  past query_start_loc[-1] belong to no sequence, so they attend to nothing and return zeros:
-  padded rows never touch a real cache block.
+- tokens n..T-1: input id 0, position 0, slot_mapping -1. The op writes -1 slots into the
+  cache's scratch block (kernels/paged_attention.py), and rows past query_start_loc[-1] belong
+  to no sequence, so they attend to nothing and return zeros: padded rows never touch a real
+  cache block.
 - sequences s..S-1: seq_len 0, no query tokens (query_start_loc stays at n), block-table row 0.
 - logits rows k..K-1: index row 0; the caller keeps only the first k rows.
 S = K = min(bucket, max_num_seqs): a step cannot have more sequences than tokens or than the

@@ -83,7 +83,7 @@ class CallingConvention:
         items: list[str] = []
         for i, source in enumerate(self.sources):
             if self.is_constant(i):
-                constants.append(eval(_python(source), {}, {"model": model}))  # noqa: S307
+                constants.append(model_source_value(source, model))
                 items.append(f"_constants[{len(constants) - 1}]")
             else:
                 items.append(_python(source))
@@ -92,6 +92,14 @@ class CallingConvention:
         # The sources are Dynamo's own reconstructions of our step function's reads, never user text.
         exec(compile(code, "<calling-convention>", "exec"), namespace)  # noqa: S102
         return namespace["build_step_args"]
+
+
+def model_source_value(source: str, model: torch.nn.Module) -> Any:
+    """Evaluate one `L['model']...` source against `model` (a parameter, a buffer, a module)."""
+    if not source.startswith("L['model']"):
+        raise ValueError(f"source {source!r} does not read the model")
+    CallingConvention((source,))  # validates the roots
+    return eval(_python(source), {}, {"model": model})  # noqa: S307
 
 
 def _python(source: str) -> str:

@@ -45,6 +45,7 @@ from compiled_engine.graphs.attention_interface import (
     register_paged_attention,
     step_attention_kwargs,
 )
+from compiled_engine.graphs.graph_dump import DumpingPassManager, dump_dir_from_env
 from compiled_engine.graphs.pass_manager import GraphPass, PassManager, PassReport, PassResult
 from compiled_engine.graphs.passes.check_lowering import CheckLowering
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
@@ -55,6 +56,7 @@ from compiled_engine.graphs.passes.freeze_parameters import (
 )
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
 from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
+from compiled_engine.graphs.passes.noop_elimination import NoopElimination
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 
 # Distinct graphs one CapturedModel may trace (see the module docstring for the usual count).
@@ -70,16 +72,24 @@ def default_pass_manager(
     num_attention_layers: int | None,
     fused_weights: FusedWeightCache | None = None,
 ) -> PassManager:
-    """Lower direct SDPA, drop the dead mask subgraph and marker, then refuse leftover attention.
+    """Lower direct SDPA, drop no-ops, the dead mask subgraph and marker, then refuse leftover attention.
 
     With `fused_weights` (the model's shared cache of concatenated weights), sibling linears
     are fused after the SDPA lowering; that needs graphs whose weights were frozen first.
+    No-op elimination runs after the rewriting passes (so it also sees the nodes they add)
+    and before DCE, which removes what it leaves unused (the other operand of a dropped
+    `type_as`). With COMPILED_ENGINE_DUMP_GRAPHS=DIR set when the manager is made, every
+    graph it processes is written to DIR before and after each pass (graphs/graph_dump.py).
     """
     passes: list[GraphPass] = [LowerSdpa()]
     if fused_weights is not None:
         passes.append(FuseLinears(fused_weights))
-    passes += [DeadCodeElimination(), CheckLowering(model_class_name, num_attention_layers)]
-    return PassManager(passes)
+    passes += [
+        NoopElimination(),
+        DeadCodeElimination(),
+        CheckLowering(model_class_name, num_attention_layers),
+    ]
+    return DumpingPassManager(passes, dump_dir_from_env())
 
 
 def _run_model(
@@ -120,9 +130,11 @@ class CapturedModel:
         self.pass_log: list[PassReport] = []
         self._graph_compiler = graph_compiler
         for cache in kv_caches:
-            # The caches never change shape: keep their sizes out of the symbolic shapes (the
-            # SDPA lowering compares their head count with the model's k/v statically).
-            torch._dynamo.mark_static(cache)
+            # Keep the caches' layout sizes out of the symbolic shapes (the SDPA lowering compares
+            # their head count with the model's k/v statically). The block count stays symbolic:
+            # it is sized from free memory, and graphs (and the compile cache) must not depend on it.
+            for dim in (0, 2, 3, 4):
+                torch._dynamo.mark_static(cache, dim)
 
         def forward_step(inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
             # Keeps the metadata in the graph even if the model never reads it (route b).

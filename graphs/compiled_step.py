@@ -23,9 +23,15 @@ makes a second engine start mostly cache hits.
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -33,12 +39,44 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from compiled_engine.graphs.bucket_graphs import BUCKET_GRAPHS_VERSION, BucketGraphs
 from compiled_engine.graphs.buckets import bucket_for, bucket_shape, check_buckets, pad_step
 from compiled_engine.graphs.calling_convention import CallingConvention
-from compiled_engine.graphs.capture import capture_model
+from compiled_engine.graphs.capture import capture_model, default_pass_manager
+from compiled_engine.graphs.compile_cache import CacheEntry
+from compiled_engine.graphs.constant_recipes import (
+    CONSTANT_RECIPES_VERSION,
+    Recipe,
+    build_constant,
+    lifted_constant_names,
+    lifted_constant_recipes,
+    recipe_of,
+)
+from compiled_engine.graphs.decode_graphs import DecodeGraphs
+from compiled_engine.graphs.device import DEVICE_RUNTIME_VERSION, DeviceRuntime, runtime_for
+from compiled_engine.graphs.gemv_policy import (
+    GEMV_POLICY_VERSION,
+    GemvDecision,
+    decide_gemv_rows,
+    share_graph_module,
+)
+from compiled_engine.graphs.passes.freeze_parameters import FreezeParameters
+from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
+from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
+from compiled_engine.graphs.passes.inline_attention import InlineAttention
 from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.kernels.inline_attention import INLINE_ATTENTION_VERSION
+from compiled_engine.kernels.reference import REFERENCE_VERSION
+
+logger = logging.getLogger(__name__)
+
+# Bump when the way steps are traced, padded or called changes (it keys the compile cache).
+COMPILED_STEP_VERSION = "compiled_step-2"
+_STEP_RECORD = "step"
+_GEMV_RECORD = "gemv"
 
 _BLOCK_TABLES = "L['inputs'].block_tables"
+_KV_CACHE = re.compile(r"L\['kv_caches'\]\[\d+\]")
 _WIDTH = "L['inputs'].block_tables.size()[1]"
 # The synthetic trace step: every size distinct and >= 2 (see the module docstring).
 _TRACE_QUERY_LENS = (4, 5, 4)  # T = 13, S = 3
@@ -53,6 +91,11 @@ _MIN_DYNAMIC_SIZE = 2
 # narrower step would fail Inductor's stride check).
 MIN_BUFFER_SEQS = 2
 MIN_BUFFER_BLOCKS = 3
+
+
+def _dynamic_dim1(source: str) -> bool:
+    """Inputs whose dim 1 is symbolic in every bucket graph: block tables and KV caches."""
+    return source == _BLOCK_TABLES or _KV_CACHE.fullmatch(source) is not None
 
 
 def check_buffer_room(buffers: StepInputs) -> None:
@@ -108,6 +151,45 @@ class TracedStep:
             raise RuntimeError("the traced graph has no block-table width input; it was specialised")
 
 
+@dataclass(frozen=True)
+class BucketBuild:
+    """How one bucket's compiled graph was obtained at start-up or first use."""
+
+    bucket: int | None  # None: the dynamic graph
+    source: str  # "compiled" (traced graph through Inductor) or "loaded" (from the compile cache)
+    seconds: float
+    saved: bool  # written to the compile cache
+    gemv: bool = False  # its linears were lowered to multiply-sums (graphs/gemv_policy.py)
+    inline_attention: bool = False  # attention as fused maths (graphs/passes/inline_attention.py)
+
+
+class BucketVariant(NamedTuple):
+    """The per-bucket rewrites a bucket's graph got before Inductor."""
+
+    gemv: bool = False
+    inline_attention: bool = False
+
+
+def step_component_versions(fuse_linears: bool) -> dict[str, str]:
+    """Versions of every piece that shapes the compiled graphs, for the compile-cache manifest."""
+    passes = default_pass_manager("<any>", None, FusedWeightCache() if fuse_linears else None)
+    return {
+        "compiled_step": COMPILED_STEP_VERSION,
+        "passes": passes.version(),
+        "freeze_parameters": FreezeParameters.version,
+        "constant_recipes": CONSTANT_RECIPES_VERSION,
+        "paged_attention_reference": REFERENCE_VERSION,
+        "device_runtime": DEVICE_RUNTIME_VERSION,
+        "bucket_graphs": BUCKET_GRAPHS_VERSION,
+        "gemv_policy": GEMV_POLICY_VERSION,
+        "inline_attention": f"{InlineAttention.version};{INLINE_ATTENTION_VERSION}",
+    }
+
+
+def _artifact_name(bucket: int | None) -> str:
+    return "dynamic" if bucket is None else f"bucket-{bucket}"
+
+
 class CompiledStep:
     """`__call__(StepInputs) -> logits [K, vocab]` through Inductor-compiled bucket graphs.
 
@@ -115,6 +197,10 @@ class CompiledStep:
     the room `check_buffer_room` asks for); each step's inputs must be views at their front
     (worker/input_buffers.py), so padding is written in place behind them.
     `fuse_linears`: fuse sibling linears into one GEMM each (graphs/passes/fuse_linears.py).
+    `cache`: this step's compile-cache entry (graphs/compile_cache.py), whose manifest the
+    caller built for exactly these arguments. With it, start-up loads every bucket the entry
+    holds and the calling convention it recorded, and traces the model only if a graph is
+    missing; every graph compiled here is saved to it.
     """
 
     def __init__(
@@ -124,35 +210,95 @@ class CompiledStep:
         buffers: StepInputs,
         buckets: Sequence[int],
         fuse_linears: bool = True,
+        cache: CacheEntry | None = None,
+        runtime: DeviceRuntime | None = None,
+        gemv_lowering: bool = True,
+        inline_attention: bool = True,
     ) -> None:
+        self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
+        self.fuse_linears = fuse_linears
+        self.cache = cache
         self.max_num_tokens = buffers.slot_mapping.shape[0]
         self.max_num_seqs = buffers.seq_lens.shape[0]
         self.buckets = check_buckets(buckets, self.max_num_tokens)
         check_buffer_room(buffers)
-        self.traced = TracedStep(model, kv_caches, fuse_linears)
-        self._build_args = self.traced.convention.bind(model)
+        self.traced: TracedStep | None = None
+        self.num_traces = 0
+        self.gemv_lowering = gemv_lowering
+        self.inline_attention = inline_attention
+        # Which buckets get the GEMV lowering: measured once per cache entry (graphs/gemv_policy.py).
+        self._gemv: GemvDecision | None = None
+        self.builds: dict[int | None, BucketBuild] = {}
         self._artifacts: dict[int | None, Callable[..., Any]] = {}
-        # Seconds each compile took, keyed by bucket (None: the dynamic graph).
-        self.compile_seconds: dict[int | None, float] = {}
+        # Lifted weights of loaded artifacts, by recipe: every bucket shares one fused copy.
+        self._constants: dict[str, torch.Tensor] = {}
+        convention = self._cached_convention()
+        if convention is None:
+            convention = self._trace().convention
+        self.convention = convention
+        self._build_args = convention.bind(model)
+        if cache is not None:
+            for bucket in self.all_buckets():
+                loaded = self._load(bucket)
+                if loaded is not None:
+                    self._artifacts[bucket] = loaded
+        self.runtime = runtime if runtime is not None else runtime_for(kv_caches[0].device)
+        # Captured decode graphs, once capture_graphs() ran (graphs/decode_graphs.py).
+        self.decode_graphs = DecodeGraphs(self, self.runtime)
 
     @property
     def compiled_buckets(self) -> tuple[int | None, ...]:
         return tuple(self._artifacts)
 
+    @property
+    def compile_seconds(self) -> dict[int | None, float]:
+        """Seconds each bucket's graph took to compile (loaded ones are not listed)."""
+        return {b: r.seconds for b, r in self.builds.items() if r.source == "compiled"}
+
+    def all_buckets(self) -> list[int | None]:
+        """Every graph this step can run: the buckets, and the dynamic one if a step can exceed them."""
+        buckets: list[int | None] = list(self.buckets)
+        if self.buckets[-1] < self.max_num_tokens:
+            buckets.append(None)
+        return buckets
+
     def compile_buckets(self, buckets: Sequence[int | None] | None = None) -> None:
-        """Compile these buckets now (default: all, and the dynamic graph if it can be reached)."""
+        """Build these buckets now (default: all, and the dynamic graph if it can be reached)."""
         if buckets is None:
-            buckets = list(self.buckets)
-            if self.buckets[-1] < self.max_num_tokens:
-                buckets.append(None)
+            buckets = self.all_buckets()
         for bucket in buckets:
             if bucket is not None and bucket not in self.buckets:
                 raise ValueError(f"{bucket} is not one of the buckets {self.buckets}")
             self._artifact(bucket)
 
+    def capture_graphs(self) -> BucketGraphs:
+        """Capture a graph per decode bucket (CUDA graphs on CUDA); decode steps then replay them."""
+        return self.decode_graphs.capture()
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Run on other KV-cache tensors (same layout, any block count); captured graphs are dropped."""
+        for new, old in zip(kv_caches, self.kv_caches, strict=True):
+            if new.shape[:1] + new.shape[2:] != old.shape[:1] + old.shape[2:] or new.dtype != old.dtype:
+                raise ValueError(
+                    f"KV cache layout {tuple(new.shape)} {new.dtype} does not match {tuple(old.shape)}"
+                )
+        self.decode_graphs.release()
+        self.kv_caches = kv_caches
+
+    def step_args(self, inputs: StepInputs) -> list[Any]:
+        """The compiled graphs' positional arguments for `inputs` (views of the buffers)."""
+        return self._build_args(inputs, self.kv_caches)
+
+    def artifact(self, bucket: int | None) -> Callable[..., Any]:
+        """The bucket's compiled callable (None: the dynamic graph), built now if needed."""
+        return self._artifact(bucket)
+
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        replayed = self.decode_graphs.run(inputs)
+        if replayed is not None:
+            return replayed
         num_tokens = inputs.slot_mapping.shape[0]
         num_logits = inputs.logits_indices.shape[0]
         bucket = bucket_for(num_tokens, self.buckets)
@@ -174,28 +320,188 @@ class CompiledStep:
             logits = artifact(*self._build_args(padded, self.kv_caches))[0]
         return logits[:num_logits]
 
+    def _trace(self) -> TracedStep:
+        if self.traced is None:
+            self.traced = TracedStep(self.model, self.kv_caches, self.fuse_linears)
+            self.num_traces += 1
+            if self.cache is not None:
+                self.cache.write_record(_STEP_RECORD, {"sources": list(self.traced.convention.sources)})
+        return self.traced
+
+    def _cached_convention(self) -> CallingConvention | None:
+        if self.cache is None:
+            return None
+        record = self.cache.read_record(_STEP_RECORD, required=("sources",))
+        if record is None:
+            return None
+        try:
+            return CallingConvention(tuple(record["sources"]))
+        except (TypeError, ValueError) as exc:
+            self.cache.discard(self.cache.dir / f"{_STEP_RECORD}.json", exc)
+            return None
+
     def _artifact(self, bucket: int | None) -> Callable[..., Any]:
         artifact = self._artifacts.get(bucket)
         if artifact is None:
+            artifact = self._load(bucket) if self.cache is not None else None
+        if artifact is None:
             start = time.perf_counter()
-            artifact = self._compile(bucket)
-            self.compile_seconds[bucket] = time.perf_counter() - start
-            self._artifacts[bucket] = artifact
+            compiled, graph, variant = self._compile(bucket)
+            seconds = time.perf_counter() - start
+            saved = self._save(bucket, compiled, graph, variant)
+            self.builds[bucket] = BucketBuild(bucket, "compiled", seconds, saved, *variant)
+            artifact = compiled
+        self._artifacts[bucket] = artifact
         return artifact
 
-    def _compile(self, bucket: int | None) -> Callable[..., Any]:
-        traced = self.traced
+    def gemv_decision(self) -> GemvDecision:
+        """Which buckets' graphs get the GEMV lowering: from the cache entry, else measured now."""
+        if self._gemv is not None:
+            return self._gemv
+        candidates = list(self.buckets) if self.gemv_lowering else []
+        if self.cache is not None and self.gemv_lowering:
+            record = self.cache.read_record(_GEMV_RECORD, required=("decision",))
+            if record is not None:
+                try:
+                    self._gemv = GemvDecision.from_json(record["decision"])
+                except ValueError as exc:
+                    self.cache.discard(self.cache.dir / f"{_GEMV_RECORD}.json", exc)
+        if self._gemv is None:
+            start = time.perf_counter()
+            self._gemv = decide_gemv_rows(self._trace().graph, candidates)
+            logger.info(
+                "GEMV lowering for buckets %s (measured in %.1f s: %s)",
+                list(self._gemv.lowered_rows),
+                time.perf_counter() - start,
+                self._gemv.reason,
+            )
+            if self.cache is not None and self.gemv_lowering:
+                self.cache.write_record(_GEMV_RECORD, {"decision": self._gemv.to_json()})
+        return self._gemv
+
+    def inlines_attention(self, bucket: int | None) -> bool:
+        """Whether `bucket`'s graph gets the inline attention maths (graphs/passes/inline_attention.py).
+
+        On CPU, for buckets that can be decode batches (<= max_num_seqs): there the fused maths
+        replaces ~40 eager calls per layer. Prefill-sized buckets keep the op, whose chunked
+        matmuls suit long queries; other devices keep the op (their kernels come from it).
+        """
+        return (
+            self.inline_attention
+            and bucket is not None
+            and self.runtime.kind == "cpu"
+            and bucket <= self.max_num_seqs
+        )
+
+    def _bucket_graph(self, bucket: int | None) -> tuple[fx.GraphModule, bool, bool]:
+        """The graph to compile for `bucket`: the traced graph, or a variant sharing its weights
+        with the GEMV lowering and/or inline attention applied. Returns (graph, gemv, inline)."""
+        graph = self._trace().graph
+        gemv = bucket is not None and self.gemv_lowering and self.gemv_decision().lowers(bucket)
+        inline = self.inlines_attention(bucket)
+        if not gemv and not inline:
+            return graph, False, False
+        variant = share_graph_module(graph)
+        if gemv:
+            GemvLowering(max_rows=bucket, rows_hint=bucket)(variant)
+        if inline:
+            InlineAttention()(variant)
+        variant.graph.lint()
+        variant.recompile()
+        return variant, gemv, inline
+
+    def _compile(self, bucket: int | None) -> tuple[Any, fx.GraphModule, BucketVariant]:
+        """Inductor-compile `bucket`'s graph; returns the artifact, the graph and its variant."""
+        traced = self._trace()
+        if traced.convention != self.convention:
+            raise RuntimeError(
+                "the model traced to a different calling convention than the compile cache recorded "
+                f"for this manifest ({self.cache.dir if self.cache else '?'}); a graph-shaping option "
+                "is missing from the manifest. Delete that entry to rebuild it."
+            )
+        graph, gemv, inline = self._bucket_graph(bucket)
         # Float attributes (the attention scale) stay Python floats, as in the capture.
         with torch._dynamo.config.patch(specialize_float=True):
             if bucket is None:
-                return torch._inductor.standalone_compile(
-                    traced.graph, traced.example_inputs, dynamic_shapes="from_graph"
+                return (
+                    torch._inductor.standalone_compile(
+                        graph, traced.example_inputs, dynamic_shapes="from_graph"
+                    ),
+                    graph,
+                    BucketVariant(),
                 )
-            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            # No duck shaping: a bucket's width example (2) must not be tied to an equal-sized
+            # block count, or to anything else that happens to match.
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
             example = self._bucket_example_inputs(bucket, fake_mode)
-            return torch._inductor.standalone_compile(
-                traced.graph, example, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
+            compiled = torch._inductor.standalone_compile(
+                graph, example, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
             )
+            return compiled, graph, BucketVariant(gemv, inline)
+
+    def _save(self, bucket: int | None, compiled: Any, graph: fx.GraphModule, variant: BucketVariant) -> bool:
+        """Write a compiled bucket to the cache; False (and a log line) when it cannot be saved."""
+        if self.cache is None:
+            return False
+        try:
+            recipes = lifted_constant_recipes(graph, recipes_from=self._trace().graph)
+        except ValueError as exc:
+            logger.info("compile cache: %s not saved: %s", _artifact_name(bucket), exc)
+            return False
+        with tempfile.TemporaryDirectory(prefix="compiled-engine-save-") as tmp:
+            path = os.path.join(tmp, "artifact.bin")
+            compiled.save(path=path, format="binary")
+            payload = Path(path).read_bytes()
+        header = {"bucket": bucket, "constants": recipes, **variant._asdict()}
+        self.cache.write_artifact(_artifact_name(bucket), header, payload)
+        return True
+
+    def _load(self, bucket: int | None) -> Callable[..., Any] | None:
+        """The cached artifact of `bucket`, ready to call like a compiled one; None on a miss."""
+        assert self.cache is not None
+        name = _artifact_name(bucket)
+        start = time.perf_counter()
+        found = self.cache.read_artifact(name)
+        if found is None:
+            return None
+        header, payload = found
+        try:
+            if header.get("bucket") != bucket:
+                raise ValueError(f"header says bucket {header.get('bucket')!r}")
+            constants = self._lifted_constants(header["constants"])
+            with tempfile.TemporaryDirectory(prefix="compiled-engine-load-") as tmp:
+                path = os.path.join(tmp, "artifact.bin")
+                Path(path).write_bytes(payload)
+                loaded = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+        except Exception as exc:  # noqa: BLE001 - any failure to load means: rebuild it
+            self.cache.discard(self.cache.artifact_path(name), exc)
+            return None
+        seconds = time.perf_counter() - start
+        variant = BucketVariant(bool(header.get("gemv")), bool(header.get("inline_attention")))
+        self.builds[bucket] = BucketBuild(bucket, "loaded", seconds, True, *variant)
+
+        def call_loaded(*args: Any) -> Any:
+            # A loaded artifact takes the graph's lifted weights first (graphs/constant_recipes.py).
+            return loaded(*constants, *args)
+
+        return call_loaded
+
+    def _lifted_constants(self, recipes: list[Recipe]) -> list[torch.Tensor]:
+        if self.traced is not None and not self._constants:
+            # Reuse the traced graph's own tensors (its fused weights) instead of a second copy.
+            graph = self.traced.graph
+            tensors = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
+            for name in lifted_constant_names(graph):
+                recipe = recipe_of(graph, name)
+                if recipe is not None:
+                    self._constants[repr(recipe)] = tensors[name]
+        out = []
+        for recipe in recipes:
+            key = repr(recipe)
+            if key not in self._constants:
+                self._constants[key] = build_constant(recipe, self.model)
+            out.append(self._constants[key])
+        return out
 
     def _bucket_example_inputs(self, bucket: int, fake_mode: FakeTensorMode) -> list[Any]:
         """Fake arguments at the bucket's static shape, with the block-table width symbolic."""
@@ -213,17 +519,26 @@ class CompiledStep:
             logits_indices=b.logits_indices[: shape.num_seqs],
         )
         real = self._build_args(views, self.kv_caches)
-        sources = self.traced.convention.sources
+        sources = self._traced_or_raise().convention.sources
         fakes: list[Any] = []
-        width_symbol: Any = width
-        dynamic_width = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC])
+        symbols: dict[str, Any] = {}  # "<tensor source>.size()[1]" -> that fake's symbol
         for source, value in zip(sources, real, strict=True):
-            if source == _BLOCK_TABLES:
-                fake = fake_mode.from_tensor(value, symbolic_context=dynamic_width)
-                width_symbol = fake.size(1)
+            if isinstance(value, torch.Tensor) and _dynamic_dim1(source):
+                # Dim 1 stays symbolic: the block-table width, the KV caches' block count.
+                dynamic = [DimDynamic.STATIC] * value.dim()
+                dynamic[1] = DimDynamic.DYNAMIC
+                fake = fake_mode.from_tensor(
+                    value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dynamic)
+                )
+                symbols[f"{source}.size()[1]"] = fake.size(1)
                 fakes.append(fake)
             elif isinstance(value, torch.Tensor):
                 fakes.append(fake_mode.from_tensor(value, static_shapes=True))
             else:
                 fakes.append(value)
-        return [width_symbol if s == _WIDTH else f for s, f in zip(sources, fakes, strict=True)]
+        return [symbols.get(s, f) for s, f in zip(sources, fakes, strict=True)]
+
+    def _traced_or_raise(self) -> TracedStep:
+        if self.traced is None:
+            raise RuntimeError("compiling a bucket needs the traced step")
+        return self.traced

@@ -8,8 +8,9 @@ The op is opaque to Dynamo/Inductor; the backend that runs it is chosen per devi
 Shapes (T = tokens this step, S = sequences this step):
   query            [T, Hq, D]
   key, value       [T, Hkv, D]      this step's k/v, after RoPE; Hq % Hkv == 0 (GQA/MQA)
-  kv_cache         [2, num_blocks, block_size, Hkv, D]   mutated in place (k at 0, v at 1)
-  slot_mapping     [T] int64        block_id * block_size + offset; -1 = padding, not written
+  kv_cache         [2, num_blocks, block_size, Hkv, D]   mutated in place (k at 0, v at 1);
+                                    its last block is the scratch block (see below)
+  slot_mapping     [T] int64        block_id * block_size + offset; -1 = padding
   block_tables     [S, max_blocks] int32   block ids of each sequence, in order
   seq_lens         [S] int32        tokens in the cache for each sequence after this step's write
   query_start_loc  [S+1] int32      cumulative query counts; sequence s owns query rows
@@ -19,6 +20,11 @@ Shapes (T = tokens this step, S = sequences this step):
   sliding_window   > 0: a query at position p sees keys at positions > p - sliding_window
   softcap          > 0: scores = softcap * tanh(scores / softcap) before the softmax
 Returns [T, Hq, D] in query's dtype.
+
+Padding: rows with slot -1 have their k/v written into the cache's last block, the scratch
+block, which the engine never hands to a sequence (worker/kv_cache.py allocates it on top of
+the usable blocks). A fixed-shape write keeps the op free of data-dependent shapes, hence of
+host syncs, so it can run inside a CUDA graph; no real block is ever touched by padding.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import torch
 
 # Goes into every compile-cache key: bump it whenever the op's schema or semantics change.
-PAGED_ATTENTION_VERSION = "paged_attention-1"
+PAGED_ATTENTION_VERSION = "paged_attention-2"
 
 
 @torch.library.custom_op("compiled_engine::paged_attention", mutates_args=("kv_cache",))

@@ -3,9 +3,10 @@
 Implements the contract in kernels/paged_attention.py. The whole batch is handled with tensor
 ops — each query token gathers its own sequence's context through the block table — so prefill
 chunks, decodes and full prefills mix freely in one call. Tokens are processed in fixed-size
-chunks only to bound the memory of the gathered keys/values. The attention itself reads no tensor
-value back to the host; the one data-dependent shape is the boolean mask that drops padding
-slots (-1) from the cache write, so on CUDA a call synchronises once (and cannot be graph-captured).
+chunks only to bound the memory of the gathered keys/values. Nothing reads a tensor value back
+to the host and every shape is known from the input shapes: padding slots (-1) are redirected
+to the cache's scratch block rather than dropped, so a call never synchronises on CUDA and can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 # Goes into the compile-cache key next to the op's own version: bump on any numerical change.
-REFERENCE_VERSION = "paged_attention_reference-1"
+REFERENCE_VERSION = "paged_attention_reference-2"
 
 # Upper bound on the float32 keys + values gathered for one chunk of query tokens. Kept well
 # under glibc's 32 MiB mmap ceiling so the chunk buffers are recycled from the heap: fresh
@@ -117,15 +118,16 @@ def paged_attention_reference(
 def _write_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    block_size = kv_cache.shape[2]
+    num_blocks, block_size = kv_cache.shape[1:3]
     slots = slot_mapping.long()
-    written = slots >= 0
-    slots = slots[written]
+    # Padding goes to the scratch block (the last one), whatever lands there is never read.
+    scratch_slot = (num_blocks - 1) * block_size
+    slots = torch.where(slots >= 0, slots, scratch_slot)
     blocks, offsets = slots // block_size, slots % block_size
     # Index (block, offset) on the 5-D cache rather than a flattened view, so the write lands
     # in place even when the cache is not contiguous.
-    kv_cache[0, blocks, offsets] = key[written].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[written].to(kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
 
 
 def _check_inputs(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -13,6 +15,13 @@ os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR",
     os.path.join(tempfile.gettempdir(), f"compiled-engine-tests-inductor-{os.getuid()}"),
 )
+
+# The engine's own compile cache (graphs/compile_cache.py): fresh per test session, so no test
+# depends on what an earlier run left behind; tests that exercise the cache pass their own dir.
+if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
+    _session_cache = tempfile.mkdtemp(prefix="compiled-engine-tests-cache-")
+    os.environ["COMPILED_ENGINE_CACHE_DIR"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 from tests.model_factory import make_tiny_model
 

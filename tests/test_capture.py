@@ -252,7 +252,9 @@ def test_dce_keeps_in_place_calls_and_drops_dead_nodes() -> None:
 
 def test_pass_manager_version_covers_passes_and_op() -> None:
     manager = default_pass_manager("AnyModel", 2)
-    assert manager.version() == (f"lower_sdpa=1;dce=1;check_lowering=1;{PAGED_ATTENTION_VERSION}")
+    assert manager.version() == (
+        f"lower_sdpa=1;noop_elimination=1;dce=1;check_lowering=1;{PAGED_ATTENTION_VERSION}"
+    )
     assert manager.uuid() == default_pass_manager("OtherModel", 4).uuid()  # model-independent
     bumped = LowerSdpa()
     bumped.version = "2"

@@ -39,6 +39,7 @@ def test_fused_graph_has_four_linears_per_layer(llama_dir):
         "freeze_parameters",
         "lower_sdpa",
         "fuse_linears",
+        "noop_elimination",
         "dce",
         "check_lowering",
     ]

@@ -47,8 +47,9 @@ def test_quick_run_reports_environment_backends_and_timings(quick_run):
     proc, _ = quick_run
     report = proc.stdout
     assert re.search(r"^- torch \S+ .*transformers \S+", report, re.MULTILINE)
-    for backend in ("CUDA graphs", "Triton", "FlashInfer"):
+    for backend in ("Triton", "FlashInfer"):
         assert re.search(rf"^- {backend}.*: not built yet$", report, re.MULTILINE), backend
+    assert re.search(r"^- CUDA graphs .*: device layer built", report, re.MULTILINE)
     rows = {
         m.group(1): float(m.group(2))
         for m in re.finditer(r"^\| (eager|compiled|hf generate) \| ([0-9.]+) \(", report, re.MULTILINE)
@@ -57,6 +58,54 @@ def test_quick_run_reports_environment_backends_and_timings(quick_run):
     assert all(ms > 0 for ms in rows.values())
     assert re.search(r"compile s per bucket: 16: [0-9.]+", report)
     assert "- parity failures: 0" in report
+
+
+def test_quick_run_checks_bucket_graphs_through_the_cpu_runtime(quick_run):
+    proc, _ = quick_run
+    report = proc.stdout
+    assert "### Bucket graphs\n- runtime CpuRuntime (device graphs: False)" in report
+    assert "- capture order: [4, 1]" in report
+    rows = {
+        int(m.group(1)): m.group(2).split(" | ")
+        for m in re.finditer(r"^\| (\d+) \| (.*) \|$", report, re.MULTILINE)
+    }
+    assert set(rows) == {1, 4}, report
+    for cells in rows.values():
+        compile_s, capture_s, memory, plain_ms, replay_ms, _, max_diff = cells
+        assert float(plain_ms) > 0 and float(replay_ms) > 0
+        assert memory == "0 KiB"  # CPU captures pin no memory
+        assert float(max_diff) == 0.0  # CPU replay is the plain call
+    assert "MISMATCH" not in report
+
+
+class _StaleGraph:
+    """A capture that replays the output it computed at capture: the bug the check must catch."""
+
+    memory_bytes = 0
+
+    def __init__(self, output) -> None:
+        self.output = output
+
+    def replay(self):
+        return self.output
+
+
+def test_bucket_graphs_section_fails_on_a_replay_that_ignores_new_inputs(monkeypatch, capsys):
+    import torch
+
+    from bench.gpu_check import Report, bucket_graphs_section
+    from compiled_engine.graphs import device
+
+    class StaleRuntime(device.CpuRuntime):
+        def capture(self, fn, pool=None):
+            return _StaleGraph(fn().clone())
+
+    monkeypatch.setattr(device, "runtime_for", lambda _device: StaleRuntime())
+    with pytest.raises(RuntimeError, match="bucket graph check"):
+        bucket_graphs_section(torch.device("cpu"), quick=True)(Report(None))
+    out = capsys.readouterr().out
+    assert "- MISMATCH bucket 1: replay differs from the plain call" in out
+    assert "- MISMATCH bucket 4: replay differs from the plain call" in out
 
 
 def test_bad_budget_is_rejected():

@@ -1,4 +1,8 @@
-"""Graph dumps: one readable file per stage, changed where a pass rewrote the graph."""
+"""Graph dumps: one readable file per stage, changed where a pass rewrote the graph.
+
+Also the engine's own pipeline: with COMPILED_ENGINE_DUMP_GRAPHS set, every captured graph is
+dumped after each pass of default_pass_manager.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import pytest
 import torch
 from torch import fx
 
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.graphs.capture import default_pass_manager
+from compiled_engine.graphs.compiled_step import TracedStep
 from compiled_engine.graphs.graph_dump import (
     DUMP_DIR_ENV,
     DumpingPassManager,
@@ -15,6 +22,7 @@ from compiled_engine.graphs.graph_dump import (
 )
 from compiled_engine.graphs.pass_manager import PassManager, PassResult
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
 
 
 class _WithDeadCode(torch.nn.Module):
@@ -93,3 +101,51 @@ def test_dump_dir_comes_from_the_environment(monkeypatch, tmp_path) -> None:
     assert dump_dir_from_env() is None
     monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
     assert dump_dir_from_env() == tmp_path
+
+
+EAGER_PASSES = ["lower_sdpa", "noop_elimination", "dce", "check_lowering"]
+
+
+def _stage_files(passes: list[str]) -> list[str]:
+    return ["00-captured.py"] + [f"{i:02d}-after-{name}.py" for i, name in enumerate(passes, start=1)]
+
+
+def test_engine_dumps_every_captured_graph_at_every_stage(llama_dir, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
+    llm = LLM(llama_dir, dtype="float32", max_model_len=64, enforce_eager=True)
+    llm.generate("def add(a, b):", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+
+    captured = llm.engine.core.runner.captured
+    graph_dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(graph_dirs) == len(captured.graphs) >= 2  # at least prefill and decode
+    assert [r.pass_name for r in captured.pass_log[0].results] == EAGER_PASSES
+    for graph_dir in graph_dirs:
+        assert sorted(p.name for p in graph_dir.iterdir()) == _stage_files(EAGER_PASSES)
+        first, last = (graph_dir / n for n in ("00-captured.py", "04-after-check_lowering.py"))
+        assert "def forward" in first.read_text() and "paged_attention" in last.read_text()
+        # The RMSNorm casts to float32 are no-ops on an fp32 model, and are gone after that pass.
+        before, after = (
+            graph_dir / f"0{i}-after-{n}.py" for i, n in ((1, "lower_sdpa"), (2, "noop_elimination"))
+        )
+        assert before.read_text().count("torch.float32") > after.read_text().count("torch.float32")
+    # Dumping names the files only: the graphs run as without it.
+    assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
+
+
+def test_compiled_path_dumps_its_fused_graph(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
+    paged = PagedBatch()
+    traced = TracedStep(make_model("llama"), paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM))
+    passes = ["lower_sdpa", "fuse_linears", "noop_elimination", "dce", "check_lowering"]
+    # FreezeParameters runs before the pass manager: the first dump already reads frozen weights.
+    assert [r.pass_name for r in traced.pass_log[0].results] == ["freeze_parameters", *passes]
+    (graph_dir,) = tmp_path.iterdir()
+    assert sorted(p.name for p in graph_dir.iterdir()) == _stage_files(passes)
+    assert "frozen_" in (graph_dir / "00-captured.py").read_text()
+    assert "fused_" in (graph_dir / "02-after-fuse_linears.py").read_text()
+
+
+def test_no_dumps_without_the_variable(monkeypatch) -> None:
+    monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
+    manager = default_pass_manager("AnyModel", 2)
+    assert isinstance(manager, DumpingPassManager) and manager.dump_dir is None

@@ -120,8 +120,12 @@ def naive_attention(step: Step, scale: float, sliding_window: int = -1, softcap:
 
 
 def new_cache(num_blocks, num_kv_heads, head_dim, dtype) -> torch.Tensor:
-    # NaN everywhere: any read of a slot that should be masked or was never written shows up.
-    return torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    """`num_blocks` usable blocks (the ids make_sequences hands out) plus the scratch block.
+
+    NaN everywhere: any read of a slot that should be masked or was never written shows up.
+    """
+    shape = (2, num_blocks + 1, BLOCK_SIZE, num_kv_heads, head_dim)
+    return torch.full(shape, float("nan"), dtype=dtype)
 
 
 def prefill_cache(kv_cache: torch.Tensor, seqs_and_lengths) -> None:
@@ -230,8 +234,11 @@ def test_half_precision(dtype):
         assert_cache_holds(kv_cache, seq, done + n)
 
 
-def test_padding_slots_are_not_written_and_padding_rows_are_zero():
-    out, expected, kv_cache, step = run_case([(5, 0, 5), (3, 2, 1)], 4, 2, num_pad_tokens=3)
+def test_padding_slots_write_only_the_scratch_block_and_padding_rows_are_zero():
+    num_blocks = 40
+    out, expected, kv_cache, step = run_case(
+        [(5, 0, 5), (3, 2, 1)], 4, 2, num_blocks=num_blocks, num_pad_tokens=3
+    )
     torch.testing.assert_close(out[:6], expected[:6].float(), atol=1e-5, rtol=1e-5)
     assert torch.equal(out[6:], torch.zeros_like(out[6:]))
     used = {
@@ -240,8 +247,10 @@ def test_padding_slots_are_not_written_and_padding_rows_are_zero():
         for p in range(done + n)
         for blk in [seq.block_ids[p // BLOCK_SIZE]]
     }
-    written = kv_cache[0].isfinite().all(-1).all(-1).nonzero().tolist()
-    assert {tuple(x) for x in written} == used, "only the real tokens' slots may be written"
+    for half in kv_cache:
+        written = {tuple(x) for x in half.isfinite().all(-1).all(-1).nonzero().tolist()}
+        # The scratch block is the one after the usable ones; padding lands in its first slot.
+        assert written == used | {(num_blocks, 0)}, "only the real tokens' slots and scratch may be written"
 
 
 def test_sequence_rows_without_query_tokens():
@@ -265,7 +274,7 @@ def test_chunking_over_tokens_gives_the_same_answer(monkeypatch):
 def test_non_contiguous_cache_is_written_in_place():
     gen = torch.Generator().manual_seed(3)
     (seq,) = make_sequences([6], 2, 8, 8, torch.float32, gen)
-    storage = torch.zeros(2, 8, 2, BLOCK_SIZE, 8)  # [2, blocks, Hkv, block, D]
+    storage = torch.zeros(2, 9, 2, BLOCK_SIZE, 8)  # [2, blocks + scratch, Hkv, block, D]
     kv_cache = storage.transpose(2, 3)  # the op's layout, as a strided view
     step = make_step([(seq, 0, 6)], 4, gen=gen)
     out = paged_attention_reference(*step.args(kv_cache), 0.35)

@@ -113,3 +113,33 @@ def test_inductor_compiles_it_as_a_reduction_not_a_gemm() -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     code = "\n".join(codes)
     assert "extern_kernels.mm" not in code and "extern_kernels.addmm" not in code
+
+
+def test_new_nodes_carry_example_values() -> None:
+    # Later passes and graph dumps read example values; Dynamo records one on every node.
+    annotated = []
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        GemvLowering(max_rows=2)(gm)
+        for node in gm.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                annotated.append((str(node.target), tuple(node.meta["example_value"].shape)))
+        gm.recompile()
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(_FunctionalMlp(_mlp()), backend=backend, fullgraph=True, dynamic=False)(
+            torch.randn(1, 2, 64)
+        )
+    # Per linear: unsqueeze, mul, sum (+ the bias for the first), shapes as eager torch gives them.
+    assert annotated == [
+        ("unsqueeze", (1, 2, 1, 64)),
+        (str(operator.mul), (1, 2, 96, 64)),
+        ("sum", (1, 2, 96)),
+        (str(operator.add), (1, 2, 96)),
+        (str(F.silu), (1, 2, 96)),
+        ("unsqueeze", (1, 2, 1, 96)),
+        (str(operator.mul), (1, 2, 32, 96)),
+        ("sum", (1, 2, 32)),
+    ]

@@ -9,6 +9,10 @@ import torch
 from torch import fx
 
 from compiled_engine.graphs.capture import capture_model
+from compiled_engine.graphs.pass_manager import PassManager
+from compiled_engine.graphs.passes.check_lowering import CheckLowering
+from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
 from compiled_engine.graphs.passes.noop_elimination import NoopElimination
 from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
 
@@ -136,19 +140,15 @@ def test_nodes_without_example_values_are_left_alone() -> None:
 
 def test_captured_llama_loses_its_noops_and_keeps_its_logits() -> None:
     paged = PagedBatch()
+    # The default pipeline runs NoopElimination; the reference is the same pipeline without it.
+    without = [LowerSdpa(), DeadCodeElimination(), CheckLowering("LlamaForCausalLM", NUM_LAYERS)]
     reference = capture_model(make_model("llama"), paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM))
-    results = []
-
-    def eliminate(gm: fx.GraphModule, example_inputs):
-        results.append(NoopElimination()(gm))
-        gm.recompile()
-        return gm.forward
-
-    cleaned = capture_model(
-        make_model("llama"), paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM), graph_compiler=eliminate
-    )
+    reference.pass_manager = PassManager(without)  # read by the backend when a graph is traced
+    cleaned = capture_model(make_model("llama"), paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM))
     for chunks in ([(0, torch.arange(6), 0)], [(0, torch.tensor([3]), 6)]):
         torch.testing.assert_close(cleaned(paged.step(chunks)), reference(paged.step(chunks)), atol=0, rtol=0)
-    notes = set(results[0].notes)
-    # fp32 RMSNorm casts, rotary `cos * 1.0` / `sin * 1.0`, attention output `.contiguous()`.
-    assert {"cast: 13", "arithmetic: 2", "contiguous: 2"} <= notes
+    assert len(cleaned.graphs) == 2
+    assert [r.pass_name for r in reference.pass_log[0].results] == ["lower_sdpa", "dce", "check_lowering"]
+    for report in cleaned.pass_log:
+        # fp32 RMSNorm casts, rotary `cos * 1.0` / `sin * 1.0`, attention output `.contiguous()`.
+        assert {"cast: 13", "arithmetic: 2", "contiguous: 2"} <= set(report.result("noop_elimination").notes)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -31,13 +32,12 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def _profile_cuda_free_memory(model: torch.nn.Module, num_tokens: int, device: torch.device) -> int:
-    """Bytes left for the KV cache after a forward of the largest step, on CUDA."""
+def _cuda_free_memory_after(run_largest_step: Callable[[], None], device: torch.device) -> int:
+    """Bytes left for the KV cache after the largest step has run once, on CUDA."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        run_largest_step()
     torch.cuda.synchronize(device)
     _, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -61,6 +61,7 @@ class LLMEngine:
         enforce_eager: bool = False,
         compile_buckets: Sequence[int] | None = None,
         fuse_linears: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
         dev = (
             torch.device(device)
@@ -86,6 +87,31 @@ class LLMEngine:
         block_bytes = kv_cache.bytes_per_block(
             mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype
         )
+
+        def allocate(num_blocks: int) -> list[torch.Tensor]:
+            return kv_cache.allocate_kv_caches(
+                mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype, dev
+            )
+
+        def build_runner(caches: list[torch.Tensor]) -> ModelRunner:
+            runner = ModelRunner(
+                loaded.model,
+                caches,
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                device=dev,
+                seed=seed,
+                enforce_eager=enforce_eager,
+                compile_buckets=compile_buckets,
+                fuse_linears=fuse_linears,
+                cache_dir=cache_dir,
+            )
+            runner.warm_up()
+            return runner
+
+        runner: ModelRunner | None = None
         if num_kv_blocks is not None:
             _positive_int("num_kv_blocks", num_kv_blocks)
         else:
@@ -93,7 +119,23 @@ class LLMEngine:
                 _positive_int("kv_cache_memory", kv_cache_memory)
                 memory = kv_cache_memory
             elif dev.type == "cuda":
-                memory = _profile_cuda_free_memory(loaded.model, max_num_batched_tokens, dev)
+                # Build (compile, capture) on a one-block cache first, so the KV cache is sized
+                # from what is left once the graphs hold their memory; then swap the real cache in.
+                graph_bytes = 0
+                if enforce_eager:
+                    ids = torch.zeros(1, max_num_batched_tokens, dtype=torch.long, device=dev)
+                    largest = lambda: loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+                else:
+                    runner = build_runner(allocate(1))
+                    graph_bytes = runner.capture_graphs()
+                    runner.release_graphs()
+                    largest = partial(runner.run_dummy_step, max_num_batched_tokens)
+                memory = _cuda_free_memory_after(largest, dev) - graph_bytes
+                logger.info(
+                    "CUDA graphs take %.1f MiB; %.1f MiB left for the KV cache",
+                    graph_bytes / 2**20,
+                    memory / 2**20,
+                )
             else:
                 memory = kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
             num_kv_blocks = min(
@@ -125,23 +167,15 @@ class LLMEngine:
         )
         self.model_config = mc
         self.tokenizer = loaded.tokenizer
-        caches = kv_cache.allocate_kv_caches(
-            mc.num_layers, num_kv_blocks, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype, dev
-        )
-        runner = ModelRunner(
-            loaded.model,
-            caches,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            device=dev,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            compile_buckets=compile_buckets,
-            fuse_linears=fuse_linears,
-        )
-        runner.warm_up()
+        caches = allocate(num_kv_blocks)
+        if runner is None:
+            runner = build_runner(caches)
+        else:
+            runner.set_kv_caches(caches)
+        # Decode graphs per bucket where the device has graphs (CUDA); CPU runs the bucket
+        # graphs directly (graphs/decode_graphs.py).
+        if runner.compiled_step is not None and runner.compiled_step.runtime.supports_graphs:
+            runner.capture_graphs()
         scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -1,4 +1,4 @@
-"""`compiled-engine` command line: `compiled-engine generate --model DIR "prompt" ...`."""
+"""`compiled-engine` command line: `generate --model DIR "prompt" ...` and `warmup --model DIR ...`."""
 
 from __future__ import annotations
 
@@ -7,31 +7,96 @@ import logging
 import sys
 
 
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Options that pick the model and shape the engine (and so its compiled graphs)."""
+    parser.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: the embedded code model)"
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument(
+        "--buckets",
+        type=_int_list,
+        default=None,
+        help="comma-separated token-count buckets to compile (default: the engine's own list)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="compile cache (default: $COMPILED_ENGINE_CACHE_DIR, else ~/.cache/compiled_engine)",
+    )
+    parser.add_argument(
+        "--no-fuse-linears", action="store_true", help="keep q/k/v and gate/up as separate GEMMs"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compiled-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation for each prompt")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
-    gen.add_argument(
-        "--model", default=None, help="Hugging Face model folder (default: the embedded code model)"
-    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.add_argument(
         "--enforce-eager", action="store_true", help="skip Inductor: run the lowered graph eagerly"
     )
-    gen.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
+    _add_engine_args(gen)
+    warm = sub.add_parser(
+        "warmup",
+        help="compile every bucket into the compile cache, so later starts with these options are warm",
+    )
+    _add_engine_args(warm)
     return parser
 
 
+def _llm(args: argparse.Namespace, **extra):
+    from compiled_engine import LLM
+
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        device=args.device,
+        compile_buckets=args.buckets,
+        cache_dir=args.cache_dir,
+        fuse_linears=not args.no_fuse_linears,
+        **extra,
+    )
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from compiled_engine.entrypoints.warmup import format_table, warm_up_buckets
+
+    llm = _llm(args)
+    runner = llm.engine.core.runner
+    rows = warm_up_buckets(runner.compiled_step)
+    print(f"compile cache entry: {runner.cache_entry.dir}")
+    print(format_table(rows))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from compiled_engine import LLM, SamplingParams
+    from compiled_engine import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -40,13 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        enforce_eager=args.enforce_eager,
-    )
+    llm = _llm(args, enforce_eager=args.enforce_eager)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         print(out.prompt + out.outputs[0].text)
         if len(args.prompts) > 1:
@@ -60,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     try:
-        return _generate(args)
+        return _warmup(args) if args.command == "warmup" else _generate(args)
     except (ValueError, UnsupportedModelError) as exc:
         # Errors users can fix (bad folder, bad parameter) print one clear line, no traceback.
         print(f"compiled-engine: error: {exc}", file=sys.stderr)

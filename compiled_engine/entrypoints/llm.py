@@ -29,11 +29,15 @@ class LLM:
         enforce_eager: bool = False,
         compile_buckets: Sequence[int] | None = None,
         fuse_linears: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
         """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
         `compile_buckets` overrides the token-count buckets compiled otherwise
         (graphs/buckets.py `default_buckets`); `fuse_linears` makes the compiled graphs run q/k/v
-        and gate/up as one GEMM each (graphs/passes/fuse_linears.py; ignored when eager)."""
+        and gate/up as one GEMM each (graphs/passes/fuse_linears.py; ignored when eager);
+        `cache_dir` is the on-disk compile cache (default: COMPILED_ENGINE_CACHE_DIR, else
+        ~/.cache/compiled_engine; graphs/compile_cache.py): a start whose options match an
+        earlier one loads its compiled graphs instead of tracing and compiling again."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
@@ -51,6 +55,7 @@ class LLM:
             enforce_eager=enforce_eager,
             compile_buckets=compile_buckets,
             fuse_linears=fuse_linears,
+            cache_dir=cache_dir,
         )
 
     def get_tokenizer(self):

@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # On CUDA, the fraction of the memory still free after a profiling forward that the cache takes.
 CUDA_KV_CACHE_FRACTION = 0.9
+# Blocks allocated beyond the usable ones: the last is where padded rows write their k/v.
+SCRATCH_BLOCKS = 1
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -23,7 +25,8 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:
-    return int(memory_bytes // block_bytes)
+    """Usable blocks that fit in `memory_bytes` next to the scratch block."""
+    return int(memory_bytes // block_bytes) - SCRATCH_BLOCKS
 
 
 def useful_block_limit(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
@@ -40,13 +43,17 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, Hkv, D] tensor per layer (keys at 0, values at 1).
+    """One [2, num_blocks + 1, block_size, Hkv, D] tensor per layer (keys at 0, values at 1).
 
+    `num_blocks` are the blocks sequences use (ids 0..num_blocks-1, the block pool's); the
+    extra last one is the scratch block padded rows write to (kernels/paged_attention.py).
     Zero-filled so a padded or stale slot never holds NaN/Inf that a masked-out score could
     still turn into NaN through 0 * inf.
     """
     return [
-        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        torch.zeros(
+            2, num_blocks + SCRATCH_BLOCKS, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
         for _ in range(num_layers)
     ]
 

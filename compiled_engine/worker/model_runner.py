@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -9,12 +10,21 @@ import torch
 from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.graphs.buckets import default_buckets
 from compiled_engine.graphs.capture import CapturedModel, capture_model
-from compiled_engine.graphs.compiled_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS, CompiledStep
+from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache, use_inductor_cache_in
+from compiled_engine.graphs.compile_manifest import GraphOptions, build_manifest
+from compiled_engine.graphs.compiled_step import (
+    MIN_BUFFER_BLOCKS,
+    MIN_BUFFER_SEQS,
+    CompiledStep,
+    step_component_versions,
+)
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.runner_output import ModelRunnerOutput
 from compiled_engine.worker.sampler import Sampler, SamplingTensors
+
+logger = logging.getLogger(__name__)
 
 
 def seeded_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
@@ -43,6 +53,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         compile_buckets: Sequence[int] | None = None,
         fuse_linears: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
         self.device = device
         self.kv_caches = kv_caches
@@ -57,6 +68,7 @@ class ModelRunner:
         # with sibling linears fused when `fuse_linears` (the eager path never fuses: its graphs
         # are for debugging and stay one-to-one with the model's modules).
         self.captured: CapturedModel | None = None
+        self.cache_entry: CacheEntry | None = None
         self.compiled_step: CompiledStep | None = None
         self.run_graph: Callable[[StepInputs], torch.Tensor]
         if enforce_eager:
@@ -67,8 +79,31 @@ class ModelRunner:
                 if compile_buckets is not None
                 else default_buckets(max_num_batched_tokens, max_num_seqs)
             )
+            buckets = tuple(buckets)
+            cache = CompileCache(cache_dir)
+            use_inductor_cache_in(cache.root)
+            options = GraphOptions(
+                dtype=kv_caches[0].dtype,
+                block_size=block_size,
+                buckets=buckets,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
+                kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
+                fuse_linears=fuse_linears,
+                attention_backend="torch",
+            )
+            manifest = build_manifest(model, options, device, step_component_versions(fuse_linears))
+            self.cache_entry = cache.entry(manifest)
+            if not self.cache_entry.exists():
+                logger.info("%s", self.cache_entry.explain_miss())
             self.compiled_step = CompiledStep(
-                model, kv_caches, self.buffers.whole(), buckets, fuse_linears=fuse_linears
+                model,
+                kv_caches,
+                self.buffers.whole(),
+                buckets,
+                fuse_linears=fuse_linears,
+                cache=self.cache_entry,
             )
             self.run_graph = self.compiled_step
         self.sampler = Sampler()
@@ -76,18 +111,46 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    def capture_graphs(self) -> int:
+        """Capture the decode graphs (compiled mode); returns the bytes they hold on the device."""
+        if self.compiled_step is None:
+            return 0
+        return self.compiled_step.capture_graphs().memory_bytes
+
+    def release_graphs(self) -> None:
+        if self.compiled_step is not None:
+            self.compiled_step.decode_graphs.release()
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Run on other KV-cache tensors of the same layout (compiled mode only)."""
+        if self.compiled_step is None:
+            raise RuntimeError("the eager path keeps the KV caches it was captured with")
+        self.compiled_step.set_kv_caches(kv_caches)
+        self.kv_caches = kv_caches
+
     def warm_up(self) -> None:
-        """Capture and lower (compiled mode: and compile one bucket) now, so an un-runnable model
+        """Capture and lower (compiled mode: and build one bucket) now, so an un-runnable model
         fails at start-up; the other buckets compile on first use.
 
-        Two short sequences give Dynamo the general (dynamic) shapes first. The k/v they write
-        land in free blocks, which every later owner overwrites before reading.
+        Two short sequences give Dynamo the general (dynamic) shapes first.
         """
+        self.run_dummy_step(5, lengths=(3, 2))
+
+    def run_dummy_step(self, num_tokens: int, lengths: Sequence[int] | None = None) -> None:
+        """Run a step of `num_tokens` prompt tokens (sequences of `lengths`, default as few as fit).
+
+        Every sequence maps all its positions into block 0: the k/v it writes land in a block
+        every later owner overwrites before reading, and it needs only one block to exist.
+        """
+        if lengths is None:
+            longest = self.buffers.max_blocks_per_seq * self.buffers.block_size
+            lengths = [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
+            lengths = lengths[: self.buffers.seq_lens.shape[0]]
         greedy = SamplingParams(temperature=0.0)
         block = self.buffers.block_size
         dummy = tuple(
             ScheduledRequest(
-                request_id=f"warm-up-{i}",
+                request_id=f"dummy-{i}",
                 token_ids=(0,) * n,
                 start_position=0,
                 block_ids=(0,) * -(-n // block),
@@ -95,9 +158,9 @@ class ModelRunner:
                 sampling_params=greedy,
                 num_output_tokens=0,
             )
-            for i, n in enumerate((3, 2))
+            for i, n in enumerate(lengths)
         )
-        self.execute(SchedulerOutput(dummy, 5, (), ()))
+        self.execute(SchedulerOutput(dummy, sum(lengths), (), ()))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:

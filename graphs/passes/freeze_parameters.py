@@ -36,6 +36,7 @@ from torch import fx
 from torch._dynamo.source import ConstantSource
 from torch._guards import Source
 
+from compiled_engine.graphs.constant_recipes import model_recipe, record_recipe
 from compiled_engine.graphs.pass_manager import PassResult
 
 # Prefix of the GraphModule attributes this pass creates.
@@ -190,9 +191,14 @@ class FreezeParameters:
                 kept.append(index)
                 notes.append(f"kept {node.name}: symbolic shape")
                 continue
-            attribute = register_constant(
-                gm, FROZEN_ATTRIBUTE_PREFIX + node.name, example, getattr(node, "_dynamo_source", None)
-            )
+            source = getattr(node, "_dynamo_source", None)
+            attribute = register_constant(gm, FROZEN_ATTRIBUTE_PREFIX + node.name, example, source)
+            source_name = source.name if source is not None else None
+            if callable(source_name):
+                source_name = source_name()
+            if isinstance(source_name, str) and source_name.startswith("L['model']"):
+                # How a warm start finds this weight again without tracing (graphs/constant_recipes.py).
+                record_recipe(gm, attribute, model_recipe(source_name))
             with graph.inserting_before(first_body_node):
                 constant = graph.get_attr(attribute)
             constant.meta.update(node.meta)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from compiled_engine.graphs.constant_recipes import concat_recipe, recipe_of, record_recipe, zero_rows_recipe
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.freeze_parameters import register_constant
 
@@ -138,6 +139,33 @@ def _constant_linear(gm: fx.GraphModule, node: fx.Node) -> tuple[_Linear | None,
     return _Linear(node, x, weight, weight_node, bias), None
 
 
+def _record_fused_recipes(
+    gm: fx.GraphModule, siblings: list[_Linear], weight_name: str, bias_name: str | None
+) -> None:
+    """Record how to rebuild the fused tensors from the model (graphs/constant_recipes.py).
+
+    Only when every part has a recipe itself (weights frozen by freeze_parameters): a graph
+    with a constant lacking one is simply never saved to the compile cache.
+    """
+    weights = [recipe_of(gm, str(s.weight_node.target)) for s in siblings]
+    if any(w is None for w in weights):
+        return
+    record_recipe(gm, weight_name, concat_recipe(weights))
+    if bias_name is None:
+        return
+    biases = []
+    for sibling, weight in zip(siblings, weights, strict=True):
+        if sibling.bias is None:
+            biases.append(zero_rows_recipe(weight))
+            continue
+        bias_node = linear_operands(sibling.node)[2]
+        bias = recipe_of(gm, str(bias_node.target))
+        if bias is None:
+            return
+        biases.append(bias)
+    record_recipe(gm, bias_name, concat_recipe(biases))
+
+
 def _fake(node: fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
@@ -180,6 +208,7 @@ class FuseLinears:
         base = FUSED_ATTRIBUTE_PREFIX + siblings[0].weight_node.name
         weight_name = register_constant(gm, base + "_weight", fused.weight)
         bias_name = register_constant(gm, base + "_bias", fused.bias) if fused.bias is not None else None
+        _record_fused_recipes(gm, siblings, weight_name, bias_name)
         x = siblings[0].input
         # The example values' own mode: the one in the tracing context may be another instance.
         fake_mode = getattr(_fake(x), "fake_mode", None)

@@ -10,21 +10,36 @@ Only for graphs that go to Inductor: run eagerly, the rewrite materialises a
 [rows, out, in] product and is far slower than the GEMM. And only for small static token
 counts: the reduction reads the weight once per row, where a GEMM reuses it across rows,
 so from a few rows on the GEMM wins again. Where the crossover lies is the caller's
-decision, by measurement per bucket; this pass is parametric in it (`max_rows`).
+decision, by measurement per bucket (graphs/gemv_policy.py); this pass is parametric in it
+(`max_rows`).
+
+Tried and dropped: reducing to [out, *lead] (`product.movedim(-2, 0).sum(-1)`, then moved
+back and made contiguous), so that Inductor's loops put the weight rows outermost and read
+each weight row once for all rows. On bench-small's 25 linears alone (2 threads, fp32,
+contiguous inputs) it took 3.3 / 3.7 / 5.4 ms at 2 / 4 / 8 rows against 7.9 / 9.6 / 11.3 ms
+for this form. In the model's graph it was a disaster: Inductor kept the [out, rows] layout
+for the residual stream, and the next linears' reductions came out as a serial loop over
+output features with a parallel region inside each: a 4-token step of bench-small took
+134 ms against 14 ms unlowered.
 
 A linear is rewritten when the number of rows it multiplies (the product of its input's
 leading dimensions) is known to be at most `max_rows`: from the example value's static
 shape, or, for a graph the caller will only ever run at `rows_hint` rows or fewer
 (a bucket's token count), from that promise. Any other linear is left alone with a note.
+
+The new nodes get example values computed in the inputs' own fake mode, as Dynamo would
+have recorded them, so passes that run later (and graph dumps) see a fully annotated graph.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from compiled_engine.graphs.pass_manager import PassResult
@@ -39,6 +54,37 @@ def _static_rows(x: fx.Node) -> int | None:
     if not all(is_concrete_int(d) for d in leading):
         return None  # a symbolic size: reading its value would specialise the graph
     return math.prod(int(d) for d in leading)
+
+
+def _fake(node: Any) -> Any:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _rewrite(graph: fx.Graph, x: fx.Node, weight: Any, bias: Any) -> list[fx.Node]:
+    """Insert `(x.unsqueeze(-2) * weight).sum(-1) (+ bias)`; its nodes in order, the result last."""
+    expanded = graph.call_method("unsqueeze", (x, -2))
+    product = graph.call_function(operator.mul, (expanded, weight))
+    nodes = [expanded, product, graph.call_method("sum", (product, -1))]
+    if bias is not None:
+        nodes.append(graph.call_function(operator.add, (nodes[-1], bias)))
+    return nodes
+
+
+def _annotate(nodes: list[fx.Node]) -> None:
+    """Example values for the rewrite's nodes, computed from their operands' fake values."""
+    for node in nodes:
+        operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+        fakes = [_fake(a) for a in operands]
+        if not fakes or not all(isinstance(f, FakeTensor) for f in fakes):
+            return  # an operand without a fake value: leave the rest unannotated too
+        args = [_fake(a) if isinstance(a, fx.Node) else a for a in node.args]
+        # The operands' own mode: the one in a tracing context may be another instance.
+        with fakes[0].fake_mode:
+            if node.op == "call_method":
+                value = getattr(args[0], str(node.target))(*args[1:])
+            else:
+                value = node.target(*args)
+        node.meta["example_value"] = value
 
 
 class GemvLowering:
@@ -74,11 +120,11 @@ class GemvLowering:
                 notes.append(f"kept {node.name}: {rows} rows > max_rows {self.max_rows}")
                 continue
             with graph.inserting_before(node):
-                expanded = graph.call_method("unsqueeze", (x, -2))
-                product = graph.call_function(operator.mul, (expanded, weight))
-                result = graph.call_method("sum", (product, -1))
-                if bias is not None:
-                    result = graph.call_function(operator.add, (result, bias))
+                nodes = _rewrite(graph, x, weight, bias)
+            _annotate(nodes)
+            result = nodes[-1]
+            # The linear's own meta (stack trace, source) stays with the value it produced; its
+            # example value too, which has the same shape, dtype and strides.
             result.meta.update(node.meta)
             node.replace_all_uses_with(result)
             graph.erase_node(node)

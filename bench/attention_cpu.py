@@ -1,0 +1,180 @@
+"""Per-layer cost of CPU paged decode attention: the reference op vs the Inductor-compiled inline one.
+
+Decode steps at bench-small's attention shape (8 q heads, 4 kv heads, head dim 64, block 16, fp32),
+static shapes, every sequence at the same context length. Each row times one layer's attention —
+this step's KV write plus the attention read — and sets it against the KV-read floor: the bytes
+of K and V the step must read at least once, over the machine's measured streaming read rate.
+
+    python -m bench.attention_cpu [--repeats 30] [--cases 64x512,1x512]
+
+Not a pytest suite: it compiles twice (~10-20 s cold) and its numbers only mean something on an
+otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import compiled_engine.kernels  # noqa: F401  (registers torch.ops.compiled_engine.paged_attention)
+from bench.floors import measure_memory_read
+from compiled_engine.kernels.inline_attention import paged_attention_inline
+
+NUM_Q_HEADS = 8
+NUM_KV_HEADS = 4
+HEAD_DIM = 64
+BLOCK_SIZE = 16
+DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    query: torch.Tensor  # [S, Hq, D]
+    key: torch.Tensor  # [S, Hkv, D]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, S * W + 1, block, Hkv, D]; the last block is scratch
+    slot_mapping: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [S, W] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+
+    @property
+    def kv_bytes_read(self) -> int:
+        # Every visible key and value once: the whole context of every sequence, K and V.
+        num_seqs = self.query.shape[0]
+        return 2 * num_seqs * int(self.seq_lens[0]) * NUM_KV_HEADS * HEAD_DIM * self.kv_cache.element_size()
+
+
+def make_decode_step(num_seqs: int, context: int, seed: int = 0) -> DecodeStep:
+    """`num_seqs` sequences whose `context`-th token is decoded now; blocks shuffled over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-context // BLOCK_SIZE)
+    num_blocks = num_seqs * width
+    kv_cache = torch.randn(2, num_blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=DTYPE)
+    # Shuffled ids, so neighbouring table entries are not neighbouring blocks, as after churn.
+    tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, width).to(torch.int32)
+    last = context - 1
+    slots = tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE
+    return DecodeStep(
+        query=torch.randn(num_seqs, NUM_Q_HEADS, HEAD_DIM, generator=gen, dtype=DTYPE),
+        key=torch.randn(num_seqs, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=DTYPE),
+        value=torch.randn(num_seqs, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=DTYPE),
+        kv_cache=kv_cache,
+        slot_mapping=slots,
+        block_tables=tables,
+        seq_lens=torch.full((num_seqs,), context, dtype=torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+    )
+
+
+def reference_layer(step: DecodeStep, scale: float) -> torch.Tensor:
+    # Through the registered op, as every captured graph calls it today.
+    return torch.ops.compiled_engine.paged_attention(
+        step.query,
+        step.key,
+        step.value,
+        step.kv_cache,
+        step.slot_mapping,
+        step.block_tables,
+        step.seq_lens,
+        step.query_start_loc,
+        scale,
+    )
+
+
+def inline_layer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    torch.ops.compiled_engine.kv_cache_write(key, value, kv_cache, slot_mapping)
+    return paged_attention_inline(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict:
+    """name -> (median ms, min ms), calling the candidates in turn each round.
+
+    Interleaved so that a burst of load from another process hits every candidate alike: on a
+    shared 2-core machine the per-cell numbers swing by several times from run to run.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    cases = []
+    for item in text.split(","):
+        seqs, context = item.lower().split("x")
+        cases.append((int(seqs), int(context)))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.attention_cpu", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--repeats", type=int, default=30, help="timed rounds (median and min reported)")
+    parser.add_argument("--cases", default="64x512,1x512", help="SEQSxCONTEXT,... decode cases")
+    args = parser.parse_args(argv)
+
+    read_gb_s = measure_memory_read()
+    scale = HEAD_DIM**-0.5
+    print(
+        f"decode attention, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
+        f"block {BLOCK_SIZE}, fp32, {torch.get_num_threads()} threads, "
+        f"read {read_gb_s:.1f} GB/s; ms per layer, median / min of {args.repeats}"
+    )
+    columns = ("seqs x ctx", "reference eager", "inline compiled", "KV floor", "max |diff|")
+    print("{:>11} {:>17} {:>17} {:>9} {:>11}".format(*columns))
+    for num_seqs, context in parse_cases(args.cases):
+        step = make_decode_step(num_seqs, context)
+        # Static shapes, as a shape-specialised decode bucket would be compiled.
+        compiled = torch.compile(inline_layer, dynamic=False, fullgraph=True, backend="inductor")
+        inputs = (
+            step.query,
+            step.key,
+            step.value,
+            step.kv_cache,
+            step.slot_mapping,
+            step.block_tables,
+            step.seq_lens,
+            step.query_start_loc,
+            scale,
+        )
+        diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
+        timings = time_interleaved(
+            {
+                "reference": lambda step=step: reference_layer(step, scale),
+                "inline": lambda compiled=compiled, inputs=inputs: compiled(*inputs),
+            },
+            args.repeats,
+        )
+        floor = step.kv_bytes_read / (read_gb_s * 1e9) * 1e3
+        cells = [f"{med:.3f} / {best:.3f}" for med, best in (timings["reference"], timings["inline"])]
+        case = f"{num_seqs} x {context}"
+        print(f"{case:>11} {cells[0]:>17} {cells[1]:>17} {floor:>9.3f} {diff:>11.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

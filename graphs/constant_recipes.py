@@ -1,0 +1,107 @@
+"""How to rebuild, from the model alone, every weight a lowered graph holds as an attribute.
+
+Why: a compiled artifact saved to disk (graphs/compile_cache.py) holds code, not weights.
+Inductor lifts a graph's parameters and buffers into run-time inputs, so an artifact loaded
+in a new process must be handed those tensors, in the order the graph module lists them.
+A warm start has the model but no traced graph, hence no attributes: it needs a recipe
+per attribute that rebuilds the tensor from the model.
+
+Two passes create attributes, and each records its recipe in `gm.meta[RECIPES_META]` as it
+goes (JSON-serialisable dicts):
+- freeze_parameters: `{"kind": "model", "source": "L['model']._modules[...]..."}`, the
+  Dynamo source of the weight it froze (the same object every call);
+- fuse_linears: `{"kind": "concat", "parts": [recipe, ...]}` (rows concatenated), with
+  `{"kind": "zero_rows", "of": recipe}` for a sibling without bias (zeros, one per row of
+  that weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from compiled_engine.graphs.calling_convention import model_source_value
+
+RECIPES_META = "compiled_engine_constant_recipes"
+CONSTANT_RECIPES_VERSION = "1"
+
+Recipe = dict[str, Any]
+
+
+def model_recipe(source: str) -> Recipe:
+    return {"kind": "model", "source": source}
+
+
+def concat_recipe(parts: list[Recipe]) -> Recipe:
+    return {"kind": "concat", "parts": parts}
+
+
+def zero_rows_recipe(of: Recipe) -> Recipe:
+    return {"kind": "zero_rows", "of": of}
+
+
+def record_recipe(gm: fx.GraphModule, attribute: str, recipe: Recipe) -> None:
+    gm.meta.setdefault(RECIPES_META, {})[attribute] = recipe
+
+
+def recipe_of(gm: fx.GraphModule, attribute: str) -> Recipe | None:
+    return gm.meta.get(RECIPES_META, {}).get(attribute)
+
+
+def lifted_constant_names(gm: fx.GraphModule) -> list[str]:
+    """The attribute names of `gm`'s parameters then buffers, duplicates kept.
+
+    This is the order AOTAutograd lifts them in (aot_module_simplified: named_parameters then
+    named_buffers, remove_duplicate=False), so a loaded artifact takes them first, in this order.
+    """
+    names = [name for name, _ in gm.named_parameters(remove_duplicate=False)]
+    names += [name for name, _ in gm.named_buffers(remove_duplicate=False)]
+    return names
+
+
+def lifted_constant_recipes(gm: fx.GraphModule, recipes_from: fx.GraphModule | None = None) -> list[Recipe]:
+    """One recipe per lifted constant of `gm`, in lifting order.
+
+    `recipes_from`: the graph whose passes recorded the recipes, when `gm` is a variant built
+    from it (same attribute names, e.g. a per-bucket rewrite). Raises if an attribute has none:
+    such a graph cannot be saved, and must not be (it would load with a missing input).
+    """
+    source = recipes_from if recipes_from is not None else gm
+    recipes = []
+    for name in lifted_constant_names(gm):
+        recipe = recipe_of(source, name)
+        if recipe is None:
+            raise ValueError(f"graph attribute {name!r} has no recorded recipe; it cannot be rebuilt on load")
+        recipes.append(recipe)
+    return recipes
+
+
+def build_constant(recipe: Recipe, model: torch.nn.Module) -> torch.Tensor:
+    """The tensor `recipe` describes, made from `model`'s own weights."""
+    kind = recipe.get("kind")
+    if kind == "model":
+        value = model_source_value(recipe["source"], model)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"recipe source {recipe['source']!r} is not a tensor of the model")
+        return value
+    with torch.no_grad():
+        if kind == "concat":
+            return torch.cat([build_constant(part, model).detach() for part in recipe["parts"]], dim=0)
+        if kind == "zero_rows":
+            of = build_constant(recipe["of"], model)
+            return of.new_zeros(of.shape[0])
+    raise ValueError(f"unknown constant recipe kind {kind!r}")
+
+
+def build_constants(recipes: list[Recipe], model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every recipe's tensor; equal recipes give the same tensor object (one concatenation each)."""
+    built: dict[str, torch.Tensor] = {}
+    out = []
+    for recipe in recipes:
+        key = repr(recipe)
+        if key not in built:
+            built[key] = build_constant(recipe, model)
+        out.append(built[key])
+    return out

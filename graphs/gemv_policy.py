@@ -1,0 +1,480 @@
+"""Which token-count buckets get the GEMV lowering: decided by timing this machine, once.
+
+Why measure: a linear rewritten as a multiply-sum and compiled by Inductor streams the weight
+on every core where torch's one-row linear uses one (graphs/passes/gemv_lowering.py), but it
+reads the weight once per row and, fused into its reduction, recomputes the ops that produce
+its input once per output feature; from some row count on, the GEMM wins. Where depends on
+the CPU, its thread count, the dtype and the model, so no constant is right.
+
+What is timed: random weights shaped like the model's linears, each fed the way the model
+feeds it. Inductor inlines the pointwise ops that make a linear's input (an RMSNorm before
+q/k/v, gate/up and the LM head; SiLU(gate) * up before the down projection) into the lowered
+reduction, so they run rows x out x in times instead of rows x in. That decided bench-small
+at 8 and 16 rows: bare linears favoured the lowering (3.8 against 4.9 ms at 8 rows), the
+model's step did not (17.6 against 15.0 ms), nor did linears with their prologues (14.2
+against 8.9 ms). `linear_weight_shapes` reads each linear's prologue kind off the graph
+("norm", "activation" or "none") and the measurement rebuilds one like it.
+
+How: one weight set holds each distinct (shape, prologue) in proportion to how often the
+model has it (at most _MAX_GRAPH_LINEARS linears, each at least once), and there are as many
+sets as make the model's own weight bytes, so that calls rotating through them read weights
+from memory, not cache, as a forward does. For each candidate row count, smallest first, it
+times calls through one set both ways: torch's `F.linear` on the finished inputs (the
+prologue runs once either way in an unlowered graph, a negligible rows x in), and the
+prologues plus linears lowered by GemvLowering, compiled by Inductor at that static row
+count: one compiled function covering every shape, one graph and C++ build per row count.
+The cap on linears bounds that build (25 linears: 2.5 s cold, 1.1 s from Inductor's cache;
+5 linears: 1.3 s and 0.2 s). The two forms alternate call by call, so load from elsewhere on
+the machine hits both alike. Medians and fastest calls are recorded; the fastest calls
+decide. Why not the medians: with another process busy on a 2-core machine, every OpenMP
+barrier in the compiled form waits for a descheduled thread, and its median grew up to 25x
+(28.6 ms against a fastest 5.5 ms for the same call) while torch's one-threaded GEMV barely
+moved: medians measure the neighbour. Load only ever adds time, so the fastest call is the
+cost on the quiet machine the engine serves from. The lowering must win by _MIN_SPEEDUP.
+Once the GEMM wins at two row counts in a row, larger ones are assumed GEMM and not timed
+(recorded in `unmeasured_rows`).
+
+Off the CPU nothing is measured: cuBLAS has proper GEMV kernels, and the decision says
+"never lower". The decision serialises to JSON (`to_json`/`from_json`, stamped with
+GEMV_POLICY_VERSION) so a warm start reads it from the compile cache instead of re-timing.
+
+`gemv_variant(gm, rows)` then makes the graph for a bucket: a copy of the general graph,
+sharing its weights, with every linear rewritten.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch.fx.proxy import GraphAppendingTracer
+
+from compiled_engine.graphs.pass_manager import PassResult
+from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_operands
+from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
+
+# Bump when the measurement or the decision rule changes: cached decisions then stop loading.
+GEMV_POLICY_VERSION = "gemv_policy=2"
+
+# Larger row counts are assumed GEMM after this many GEMM wins in a row.
+_GEMM_WINS_TO_STOP = 2
+# How much faster the lowered linears must be to count as a win. The measured prologues are
+# the usual ones, not everything Inductor inlines in a real graph (residual adds, embedding
+# lookups, casts), so the lowered form's real cost is a little higher: on bench-small at
+# 8 rows the linears measured 4.4 ms lowered against 4.8 ms, the whole step 17.6 against 15.0.
+_MIN_SPEEDUP = 1.1
+# A median this far above the fastest call means other work competed for the cores.
+_NOISY_SPREAD = 1.5
+# Linears in one measured set (see the module docstring); a shape the model has once still
+# appears once, so with many distinct shapes a set holds more.
+_MAX_GRAPH_LINEARS = 12
+# Bytes of random weights a measurement may allocate: fewer sets than the model's bytes would
+# ask for beyond it (the working set is then still far beyond any CPU cache).
+_MAX_MEASURED_BYTES = 512 * 2**20
+# Timed calls per form and row count: at least _MIN_REPEATS, then until _TIME_BUDGET_S has
+# passed for the pair, at most _MAX_REPEATS.
+_WARMUP_CALLS = 2
+_MIN_REPEATS = 5
+_MAX_REPEATS = 25
+_TIME_BUDGET_S = 0.25
+
+# Prologue kinds: what produces a linear's input, as far as Inductor would fuse it.
+NORM, ACTIVATION, NONE = "norm", "activation", "none"
+# Walking back from a linear's input: ops passed through (views, pointwise arithmetic) and
+# the ones that name the prologue. Anything else (a reduction, a linear, a custom op, a graph
+# input) ends the walk; so does _MAX_PROLOGUE_NODES, which keeps it local.
+_PASS_THROUGH = frozenset(
+    {"view", "reshape", "contiguous", "getitem", "to", "float", "type_as", "unsqueeze", "squeeze"}
+    | {"expand", "mul", "add", "sub", "truediv", "neg", "pow", "clone"}
+)
+_NORM_OPS = frozenset({"rsqrt"})
+_ACTIVATION_OPS = frozenset({"silu", "gelu", "sigmoid", "tanh", "exp", "erf", "softplus", "relu"})
+_MAX_PROLOGUE_NODES = 64
+_NORM_EPS = 1e-6
+
+
+class LinearShape(NamedTuple):
+    """One linear: weight [out_features, in_features] of `dtype`, and its input's prologue kind."""
+
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    prologue: str = NONE
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else ""
+
+
+def prologue_kind(x: Any) -> str:
+    """NORM, ACTIVATION or NONE: the pointwise ops producing `x` that a lowered linear would inline.
+
+    An activation anywhere in them wins (the costliest to recompute), then a normalisation.
+    """
+    found = NONE
+    pending, seen = [x], set()
+    while pending and len(seen) < _MAX_PROLOGUE_NODES:
+        node = pending.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        name = _op_name(node)
+        if name in _ACTIVATION_OPS:
+            return ACTIVATION
+        if name in _NORM_OPS:
+            found = NORM
+        elif name not in _PASS_THROUGH:
+            continue
+        pending.extend(n for n in (*node.args, *node.kwargs.values()) if isinstance(n, fx.Node))
+    return found
+
+
+def linear_weight_shapes(gm: fx.GraphModule) -> list[LinearShape]:
+    """Every linear in `gm` whose weight is a graph constant, in graph order."""
+    shapes = []
+    for node in gm.graph.nodes:
+        operands = linear_operands(node)
+        if operands is None:
+            continue
+        weight = constant_tensor(gm, operands[1])
+        if weight is not None and weight.dim() == 2:
+            out_features, in_features = (int(d) for d in weight.shape)
+            shapes.append(LinearShape(out_features, in_features, weight.dtype, prologue_kind(operands[0])))
+    return shapes
+
+
+@dataclass(frozen=True)
+class RowTiming:
+    """Milliseconds of one call through all the measured linears at `rows` rows, both ways."""
+
+    rows: int
+    gemm_ms: float  # median, torch's F.linear
+    gemv_ms: float  # median, Inductor-compiled prologues and multiply-sums
+    gemm_best_ms: float  # fastest call
+    gemv_best_ms: float
+
+    @property
+    def lowering_wins(self) -> bool:
+        return self.gemm_best_ms > _MIN_SPEEDUP * self.gemv_best_ms
+
+
+@dataclass(frozen=True)
+class GemvDecision:
+    """Row counts (buckets) whose graphs get the GEMV lowering, and the evidence."""
+
+    lowered_rows: tuple[int, ...]
+    timings: tuple[RowTiming, ...] = ()
+    unmeasured_rows: tuple[int, ...] = ()  # assumed GEMM after _GEMM_WINS_TO_STOP losses in a row
+    reason: str = ""
+    device: str = "cpu"
+    dtype: str = ""
+    num_threads: int = 0
+    # (out_features, in_features, prologue, count) of the linears, for a person reading the cache.
+    shapes: tuple[tuple[int, int, str, int], ...] = ()
+    version: str = field(default=GEMV_POLICY_VERSION)
+
+    def lowers(self, rows: int) -> bool:
+        """Whether a graph run at exactly `rows` token rows should be lowered."""
+        return rows in self.lowered_rows
+
+    @property
+    def noisy(self) -> bool:
+        """Whether other work competed for the cores while timing: better re-measured than cached.
+
+        Under steady load even the fastest calls mislead (a busy run on bench-small timed the
+        1-row lowering at 88 ms, 1.6 ms quiet, and lowered nothing); the spread shows it.
+        """
+        return any(
+            t.gemm_ms > _NOISY_SPREAD * t.gemm_best_ms or t.gemv_ms > _NOISY_SPREAD * t.gemv_best_ms
+            for t in self.timings
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> GemvDecision:
+        """Parse `to_json` output; ValueError when it is malformed or from another policy version."""
+        try:
+            data = json.loads(text)
+            if data.get("version") != GEMV_POLICY_VERSION:
+                raise ValueError(
+                    f"GEMV decision is {data.get('version')!r}, expected {GEMV_POLICY_VERSION!r}"
+                )
+            return cls(
+                lowered_rows=tuple(int(r) for r in data["lowered_rows"]),
+                timings=tuple(
+                    RowTiming(
+                        int(t["rows"]),
+                        float(t["gemm_ms"]),
+                        float(t["gemv_ms"]),
+                        float(t["gemm_best_ms"]),
+                        float(t["gemv_best_ms"]),
+                    )
+                    for t in data["timings"]
+                ),
+                unmeasured_rows=tuple(int(r) for r in data["unmeasured_rows"]),
+                reason=str(data["reason"]),
+                device=str(data["device"]),
+                dtype=str(data["dtype"]),
+                num_threads=int(data["num_threads"]),
+                shapes=tuple((int(o), int(i), str(k), int(c)) for o, i, k, c in data["shapes"]),
+                version=data["version"],
+            )
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
+            raise ValueError(f"not a GEMV decision: {error}") from error
+
+
+# One measured linear: (out_features, in_features, prologue kind).
+_Linear = tuple[int, int, str]
+
+
+def _check_rows(candidate_rows: Sequence[int]) -> tuple[int, ...]:
+    rows = tuple(sorted(set(candidate_rows)))
+    if any(not isinstance(r, int) or r < 1 for r in rows):
+        raise ValueError(f"candidate row counts must be positive ints, got {list(candidate_rows)}")
+    return rows
+
+
+def _as_linear(shape: tuple[int, int] | LinearShape) -> _Linear:
+    kind = shape.prologue if isinstance(shape, LinearShape) else NONE
+    if kind not in (NORM, ACTIVATION, NONE):
+        raise ValueError(f"unknown prologue kind {kind!r}")
+    return int(shape[0]), int(shape[1]), kind
+
+
+def measure_gemv_rows(
+    shapes: Sequence[tuple[int, int]] | Sequence[LinearShape],
+    candidate_rows: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> GemvDecision:
+    """Time `shapes` (one per linear, repeats included) both ways per row count.
+
+    A plain (out, in) pair is a linear without a prologue. See the module docstring.
+    Candidates are measured smallest first; off the CPU nothing is measured or lowered.
+    """
+    rows_to_try = _check_rows(candidate_rows)
+    device = torch.device(device)
+    counts = Counter(_as_linear(s) for s in shapes)
+    described = tuple((o, i, k, c) for (o, i, k), c in sorted(counts.items()))
+    common = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), shapes=described)
+    if device.type == "cuda":
+        reason = "not measured on cuda: cuBLAS has fast GEMV kernels, never lowered"
+        return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
+    if device.type != "cpu":
+        reason = f"not measured on {device.type}: the lowering is only measured on CPUs, never lowered"
+        return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
+    if not counts:
+        return GemvDecision((), unmeasured_rows=rows_to_try, reason="no constant-weight linears", **common)
+
+    generator = torch.Generator().manual_seed(seed)
+    per_set, num_sets = _weight_sets_layout(counts, dtype)
+    linears = [linear for linear, copies in per_set.items() for _ in range(copies)]
+    weight_sets = [
+        [torch.rand(o, i, generator=generator, dtype=dtype) for o, i, _ in linears] for _ in range(num_sets)
+    ]
+    timings: list[RowTiming] = []
+    unmeasured: list[int] = []
+    gemm_wins_in_a_row = 0
+    for rows in rows_to_try:
+        if gemm_wins_in_a_row >= _GEMM_WINS_TO_STOP:
+            unmeasured.append(rows)
+            continue
+        timing = _time_rows(rows, linears, weight_sets, generator)
+        timings.append(timing)
+        gemm_wins_in_a_row = 0 if timing.lowering_wins else gemm_wins_in_a_row + 1
+    return GemvDecision(
+        lowered_rows=tuple(t.rows for t in timings if t.lowering_wins),
+        timings=tuple(timings),
+        unmeasured_rows=tuple(unmeasured),
+        reason=(
+            f"measured: {num_sets} set(s) of {len(linears)} weights, "
+            f"{sum(w.nbytes for ws in weight_sets for w in ws) / 2**20:.1f} MiB"
+        ),
+        num_threads=torch.get_num_threads(),
+        **common,
+    )
+
+
+def decide_gemv_rows(
+    gm: fx.GraphModule, candidate_rows: Sequence[int], device: torch.device | str | None = None
+) -> GemvDecision:
+    """`measure_gemv_rows` for `gm`'s constant-weight linears, on their device and dtype.
+
+    A graph with linears of several dtypes is measured in the one holding most weight bytes.
+    """
+    shapes = linear_weight_shapes(gm)
+    weight_bytes: Counter[torch.dtype] = Counter()
+    for s in shapes:
+        weight_bytes[s.dtype] += s.out_features * s.in_features * s.dtype.itemsize
+    dtype = weight_bytes.most_common(1)[0][0] if weight_bytes else torch.get_default_dtype()
+    if device is None:
+        devices = {t.device for t in (*gm.parameters(), *gm.buffers())}
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    return measure_gemv_rows(shapes, candidate_rows, dtype, device)
+
+
+def _weight_sets_layout(counts: Counter[_Linear], dtype: torch.dtype) -> tuple[dict[_Linear, int], int]:
+    """Weights of each linear kind in one measured set, and how many sets (module docstring)."""
+    scale = min(1.0, _MAX_GRAPH_LINEARS / sum(counts.values()))
+    per_set = {linear: max(1, round(count * scale)) for linear, count in counts.items()}
+    set_bytes = sum(o * i * n for (o, i, _), n in per_set.items()) * dtype.itemsize
+    model_bytes = sum(o * i * c for (o, i, _), c in counts.items()) * dtype.itemsize
+    return per_set, max(1, min(math.ceil(model_bytes / set_bytes), _MAX_MEASURED_BYTES // set_bytes))
+
+
+def _prologue_inputs(
+    kind: str, rows: int, in_features: int, dtype: torch.dtype, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """Random inputs of a linear's prologue: hidden states and norm weight, gate and up, or x."""
+    per_row = [torch.randn(1, rows, in_features, generator=generator, dtype=dtype)]
+    if kind == NORM:
+        return [*per_row, torch.randn(in_features, generator=generator, dtype=dtype)]
+    if kind == ACTIVATION:
+        return [*per_row, torch.randn(1, rows, in_features, generator=generator, dtype=dtype)]
+    return per_row
+
+
+_PROLOGUE_INPUTS = {NORM: 2, ACTIVATION: 2, NONE: 1}
+
+
+def _prologue(kind: str, inputs: Sequence[Any]) -> Any:
+    """The input a linear of `kind` sees; on tensors, or on fx Proxies to record it in a graph."""
+    if kind == NORM:  # RMSNorm
+        hidden, scale = inputs
+        return hidden * torch.rsqrt((hidden * hidden).mean(-1, keepdim=True) + _NORM_EPS) * scale
+    if kind == ACTIVATION:  # SwiGLU
+        gate, up = inputs
+        return F.silu(gate) * up
+    return inputs[0]
+
+
+def _measured_graph(linears: Sequence[_Linear], rows: int) -> fx.GraphModule:
+    """(prologue inputs of each linear..., weights...) -> each linear of its prologue, lowered.
+
+    Lowered by the very pass the buckets get, so the timed code is what they would run.
+    """
+    graph = fx.Graph()
+    tracer = GraphAppendingTracer(graph)
+    xs = []
+    for index, (_, _, kind) in enumerate(linears):
+        inputs = [graph.placeholder(f"x{index}_{k}") for k in range(_PROLOGUE_INPUTS[kind])]
+        xs.append(_prologue(kind, [fx.Proxy(node, tracer) for node in inputs]).node)
+    ws = [graph.placeholder(f"w{index}") for index in range(len(linears))]
+    graph.output(tuple(graph.call_function(F.linear, (x, w)) for x, w in zip(xs, ws, strict=True)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    lowered = GemvLowering(max_rows=rows, rows_hint=rows)(gm).nodes_rewritten
+    if lowered != len(linears):
+        raise RuntimeError(f"gemv_policy: the lowering rewrote {lowered} of {len(linears)} linears")
+    gm.recompile()
+    return gm
+
+
+def _time_rows(
+    rows: int, linears: Sequence[_Linear], weight_sets: list[list[torch.Tensor]], generator: torch.Generator
+) -> RowTiming:
+    from torch._inductor.compile_fx import compile_fx  # Inductor imports slowly; only when timing
+
+    # Inputs of their own for every linear, as in a model where each layer reads its own
+    # activation: shared ones would let Inductor fuse reductions that a real graph cannot.
+    inputs = [_prologue_inputs(kind, rows, i, weight_sets[0][0].dtype, generator) for _, i, kind in linears]
+    flat_inputs = [t for group in inputs for t in group]
+    # Every call, of either form, takes the next set: none reads weights the call before it
+    # left in cache (unless there is one set, when the model's weights fit in cache anyway).
+    turns = itertools.cycle(weight_sets)
+    with torch.no_grad():
+        # The unlowered graph computes each prologue once, a negligible rows x in: untimed.
+        xs = [_prologue(kind, group) for (_, _, kind), group in zip(linears, inputs, strict=True)]
+        compiled = compile_fx(_measured_graph(linears, rows), [*flat_inputs, *weight_sets[0]])
+
+        def gemm() -> Any:
+            return [F.linear(x, w) for x, w in zip(xs, next(turns), strict=True)]
+
+        def gemv() -> Any:
+            return compiled(*flat_inputs, *next(turns))
+
+        gemm_s, gemv_s = _alternate(gemm, gemv)
+    return RowTiming(
+        rows,
+        gemm_ms=statistics.median(gemm_s) * 1e3,
+        gemv_ms=statistics.median(gemv_s) * 1e3,
+        gemm_best_ms=min(gemm_s) * 1e3,
+        gemv_best_ms=min(gemv_s) * 1e3,
+    )
+
+
+def _alternate(*fns: Callable[[], Any]) -> list[list[float]]:
+    """Seconds per call of each fn, calls interleaved so that outside load hits all of them alike."""
+    for _ in range(_WARMUP_CALLS):
+        for fn in fns:
+            fn()
+    seconds: list[list[float]] = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(seconds[0]) < _MAX_REPEATS and (
+        len(seconds[0]) < _MIN_REPEATS or time.perf_counter() - start < _TIME_BUDGET_S
+    ):
+        for fn, record in zip(fns, seconds, strict=True):
+            begin = time.perf_counter()
+            fn()
+            record.append(time.perf_counter() - begin)
+    return seconds
+
+
+def gemv_variant(gm: fx.GraphModule, rows: int) -> tuple[fx.GraphModule, PassResult]:
+    """A new GraphModule for running `gm` at `rows` token rows only, every linear as multiply-sum.
+
+    `gm` is left untouched. The new module holds the very same weight tensors (no copy: the
+    attributes are registered on it by reference, parameters as parameters, buffers with their
+    persistence) and copies of the nodes with their meta (example values included, which
+    Inductor and the other passes read), plus Dynamo's attributes (`meta`,
+    `_param_name_to_source`, ...), so it compiles exactly as `gm` would.
+    """
+    variant = share_graph_module(gm)
+    result = GemvLowering(max_rows=rows, rows_hint=rows)(variant)
+    variant.graph.lint()
+    variant.recompile()
+    return variant, result
+
+
+def share_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule with a copy of `gm`'s graph and `gm`'s own attribute objects (weights shared)."""
+    graph = copy.deepcopy(gm.graph)  # nodes copied, each node's meta dict shallow-copied
+    for old, new in zip(gm.graph.nodes, graph.nodes, strict=True):
+        source = getattr(old, "_dynamo_source", None)  # read by calling conventions, not in meta
+        if source is not None:
+            new._dynamo_source = source
+    # Registers each get_attr target on the new module: the same tensor object, a Parameter as
+    # a parameter, any other tensor as a (persistent) buffer.
+    variant = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            _copy_persistence(gm, variant, str(node.target))
+    for key, value in vars(gm).items():
+        # Dynamo's extras; containers copied so that adding to one module leaves the other alone.
+        if key not in vars(variant):
+            setattr(variant, key, copy.copy(value) if isinstance(value, (dict, list, set)) else value)
+    variant.meta = dict(gm.meta)
+    return variant
+
+
+def _copy_persistence(source: torch.nn.Module, target: torch.nn.Module, qualified_name: str) -> None:
+    *path, name = qualified_name.split(".")
+    for part in path:
+        source, target = getattr(source, part), getattr(target, part)
+    if name in source._non_persistent_buffers_set:
+        target._non_persistent_buffers_set.add(name)

@@ -1,0 +1,326 @@
+"""GEMV policy: per-bucket graph variants that share weights, and the measured decision."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from compiled_engine.graphs import gemv_policy
+from compiled_engine.graphs.compiled_step import TracedStep
+from compiled_engine.graphs.gemv_policy import (
+    GEMV_POLICY_VERSION,
+    GemvDecision,
+    LinearShape,
+    RowTiming,
+    decide_gemv_rows,
+    gemv_variant,
+    linear_weight_shapes,
+    measure_gemv_rows,
+)
+from compiled_engine.graphs.passes.fuse_linears import LINEAR_TARGETS
+from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
+
+
+def count_linears(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS)
+
+
+def _code_and_nodes(gm: fx.GraphModule) -> tuple[str, list[tuple]]:
+    return gm.code, [(n.op, n.name, str(n.target)) for n in gm.graph.nodes]
+
+
+class _TwoLinears(nn.Module):
+    """Calls F.linear itself (symbolic_trace keeps nn.Linear opaque), weights nested as in HF."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 16, bias=False))
+        self.register_buffer("scale", torch.rand(16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = self.mlp[0], self.mlp[2]
+        return F.linear(F.silu(F.linear(x, up.weight, up.bias)), down.weight) * self.scale
+
+
+def test_variant_of_a_small_graph_shares_weights_and_matches() -> None:
+    gm = fx.symbolic_trace(_TwoLinears().eval())
+    gm._non_persistent_buffers_set.add("scale")  # as FreezeParameters registers buffers
+    before = _code_and_nodes(gm)
+    variant, result = gemv_variant(gm, rows=2)
+
+    assert result.nodes_rewritten == 2
+    assert (count_linears(gm), count_linears(variant)) == (2, 0)
+    assert _code_and_nodes(gm) == before  # the original graph is untouched
+    original_state = dict(gm.named_parameters()) | dict(gm.named_buffers())
+    variant_state = dict(variant.named_parameters()) | dict(variant.named_buffers())
+    assert variant_state.keys() == original_state.keys()
+    for name, tensor in original_state.items():
+        assert variant_state[name] is tensor and variant_state[name].data_ptr() == tensor.data_ptr()
+    assert isinstance(variant.get_parameter("mlp.0.weight"), nn.Parameter)
+    assert "scale" not in variant.state_dict()  # non-persistent, as in the original
+
+    x = torch.randn(1, 2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(variant(x), gm(x), atol=1e-5, rtol=0)
+    # One weight shared, not copied: an in-place update shows in both.
+    with torch.no_grad():
+        gm.get_parameter("mlp.2.weight").mul_(2)
+        torch.testing.assert_close(variant(x), gm(x), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def traced_llama() -> tuple[TracedStep, torch.nn.Module, PagedBatch, list[torch.Tensor]]:
+    model = make_model("llama")
+    paged = PagedBatch()
+    caches = paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM)
+    return TracedStep(model, caches), model, paged, caches
+
+
+def test_variant_of_the_traced_step_graph(traced_llama) -> None:
+    traced, model, paged, caches = traced_llama
+    gm = traced.graph
+    before = _code_and_nodes(gm)
+    linears = count_linears(gm)
+    assert linears == 4 * NUM_LAYERS + 1  # fused q/k/v and gate/up, plus the lm_head
+
+    variant, result = gemv_variant(gm, rows=3)
+    assert result.nodes_rewritten == linears and count_linears(variant) == 0
+    assert _code_and_nodes(gm) == before
+    assert variant.meta == gm.meta and variant._param_name_to_source == gm._param_name_to_source
+    original_state = dict(gm.named_buffers()) | dict(gm.named_parameters())
+    for name, tensor in (dict(variant.named_buffers()) | dict(variant.named_parameters())).items():
+        assert tensor.data_ptr() == original_state[name].data_ptr()
+    assert gm._non_persistent_buffers_set and (
+        variant._non_persistent_buffers_set == gm._non_persistent_buffers_set
+    )
+    # Every node Dynamo annotated still carries its example value, and the rewrite's new
+    # nodes have one too.
+    annotated = {n.name for n in gm.graph.nodes if "example_value" in n.meta}
+    for node in variant.graph.nodes:
+        if node.op in ("call_function", "call_method", "get_attr") or node.name in annotated:
+            assert "example_value" in node.meta, node.name
+    placeholders = [n for n in variant.graph.nodes if n.op == "placeholder"]
+    assert all(getattr(n, "_dynamo_source", None) is not None for n in placeholders)
+
+    args = traced.convention.bind(model)(paged.step([(0, torch.arange(3), 0)]), caches)
+    with torch.no_grad():
+        expected = gm(*args)[0]
+        got = variant(*args)[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_linear_weight_shapes_of_the_traced_graph(traced_llama) -> None:
+    gm = traced_llama[0].graph
+    shapes = linear_weight_shapes(gm)
+    q, kv, ffn, hidden = 4 * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, 96, 64
+    # What makes each linear's input: RMSNorm before q/k/v, gate/up and the LM head, the
+    # attention op before o_proj, SiLU(gate) * up before down_proj.
+    per_layer = [
+        (q + 2 * kv, hidden, "norm"),
+        (hidden, q, "none"),
+        (2 * ffn, hidden, "norm"),
+        (hidden, ffn, "activation"),
+    ]
+    expected = per_layer * NUM_LAYERS + [(96, hidden, "norm")]
+    assert [(s.out_features, s.in_features, s.prologue) for s in shapes] == expected
+    assert {s.dtype for s in shapes} == {torch.float32}
+
+
+def test_decision_round_trips_through_json() -> None:
+    decision = GemvDecision(
+        lowered_rows=(1, 2),
+        timings=(
+            RowTiming(1, 2.0, 1.0, 1.5, 0.5),
+            RowTiming(2, 2.5, 1.5, 2.0, 1.0),
+            RowTiming(4, 1, 3, 1, 2),
+        ),
+        unmeasured_rows=(16,),
+        reason="measured",
+        dtype="float32",
+        num_threads=2,
+        shapes=((64, 32, "norm", 2),),
+    )
+    text = decision.to_json()
+    assert GemvDecision.from_json(text) == decision
+    assert json.loads(text)["version"] == GEMV_POLICY_VERSION
+    assert decision.lowers(2) and not decision.lowers(4) and not decision.lowers(16)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (json.dumps({"version": "gemv_policy=0", "lowered_rows": [1]}), "expected"),
+        ("{}", "expected"),
+        (json.dumps({"version": GEMV_POLICY_VERSION}), "not a GEMV decision"),
+        ("not json", "not a GEMV decision"),
+    ],
+)
+def test_stale_or_malformed_decisions_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GemvDecision.from_json(text)
+
+
+SMALL_SHAPES = [(48, 32), (16, 32), (48, 32)]
+# Every prologue kind, so the measured graph is built and compiled with each.
+SMALL_LINEARS = [
+    LinearShape(48, 32, torch.float32, "norm"),
+    LinearShape(16, 32, torch.float32, "none"),
+    LinearShape(48, 32, torch.float32, "norm"),
+    LinearShape(32, 16, torch.float32, "activation"),
+]
+
+
+def test_measurement_on_small_shapes() -> None:
+    candidates = (1, 2, 4)
+    decision = measure_gemv_rows(SMALL_LINEARS, candidates, torch.float32, "cpu")
+    assert decision.timings, decision
+    for t in decision.timings:
+        assert 0 < t.gemm_best_ms <= t.gemm_ms and 0 < t.gemv_best_ms <= t.gemv_ms
+    assert set(decision.lowered_rows) <= set(candidates)
+    assert decision.lowered_rows == tuple(t.rows for t in decision.timings if t.lowering_wins)
+    measured = [t.rows for t in decision.timings]
+    assert sorted(measured + list(decision.unmeasured_rows)) == list(candidates)
+    assert measured == list(candidates[: len(measured)])  # smallest first, a prefix
+    losses = [not t.lowering_wins for t in decision.timings]
+    if decision.unmeasured_rows:  # stopped: only after two GEMM wins in a row
+        assert losses[-2:] == [True, True]
+    # Two GEMM wins in a row end the measuring: nothing after them is timed.
+    assert not any(losses[i] and losses[i + 1] for i in range(len(losses) - 2))
+    assert decision.shapes == ((16, 32, "none", 1), (32, 16, "activation", 1), (48, 32, "norm", 2))
+    assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+def _scripted(wins: dict[int, bool], timed: list[int]):
+    def time_rows(rows, linears, weight_sets, generator):
+        timed.append(rows)
+        # Medians that say the opposite: the fastest calls decide.
+        best = 1.0 if wins[rows] else 3.0
+        return RowTiming(rows, gemm_ms=2.0, gemv_ms=4.0 - best, gemm_best_ms=2.0, gemv_best_ms=best)
+
+    return time_rows
+
+
+@pytest.mark.parametrize(
+    ("wins", "lowered", "unmeasured"),
+    [
+        ({1: True, 2: True, 4: False, 8: False, 16: True}, (1, 2), (16,)),
+        ({1: True, 2: False, 4: True, 8: False, 16: False}, (1, 4), ()),  # one loss does not stop
+        ({1: False, 2: False, 4: True, 8: True, 16: True}, (), (4, 8, 16)),
+        ({1: True, 2: True, 4: True, 8: True, 16: True}, (1, 2, 4, 8, 16), ()),
+    ],
+)
+def test_measuring_stops_after_two_gemm_wins_in_a_row(monkeypatch, wins, lowered, unmeasured) -> None:
+    timed: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted(wins, timed))
+    decision = measure_gemv_rows(SMALL_SHAPES, [16, 8, 4, 2, 1, 2], torch.float32, "cpu")
+    assert decision.lowered_rows == lowered
+    assert decision.unmeasured_rows == unmeasured
+    assert timed == [r for r in (1, 2, 4, 8, 16) if r not in unmeasured]
+
+
+def test_off_the_cpu_nothing_is_measured_or_lowered(monkeypatch) -> None:
+    timed: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted({}, timed))
+    decision = measure_gemv_rows(SMALL_SHAPES, [1, 2], torch.bfloat16, torch.device("cuda", 0))
+    assert decision.lowered_rows == () and decision.timings == () and timed == []
+    assert decision.unmeasured_rows == (1, 2) and "cuBLAS" in decision.reason
+    assert not decision.lowers(1)
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "sets"),
+    [
+        (2**30, 4),  # sets of 10 + 1 weights: four make the model's 40 + 1 (rounded up)
+        (3 * (10 * 64 + 8) * 4 * 4, 3),  # room for three sets only
+        (1, 1),  # one set whatever the limit
+    ],
+)
+def test_many_or_large_weights_are_measured_in_rotating_sets(monkeypatch, max_bytes: int, sets: int) -> None:
+    seen: list[list[tuple[int, ...]]] = []
+
+    def record(rows, linears, weight_sets, generator):
+        seen.extend([tuple(w.shape) for w in ws] for ws in weight_sets)
+        return RowTiming(rows, 1.0, 2.0, 1.0, 2.0)
+
+    monkeypatch.setattr(gemv_policy, "_time_rows", record)
+    monkeypatch.setattr(gemv_policy, "_MAX_GRAPH_LINEARS", 10)
+    monkeypatch.setattr(gemv_policy, "_MAX_MEASURED_BYTES", max_bytes)
+    measure_gemv_rows([(64, 4)] * 40 + [(8, 4)], [1], torch.float32)
+    # Proportions kept within one set, and a shape the model has once is still there once.
+    assert len(seen) == sets
+    assert all(s.count((64, 4)) == 10 and s.count((8, 4)) == 1 for s in seen)
+
+
+def test_a_small_model_is_measured_whole_in_one_set(monkeypatch) -> None:
+    seen: list[list[tuple[int, ...]]] = []
+
+    def record(rows, linears, weight_sets, generator):
+        seen.extend([tuple(w.shape) for w in ws] for ws in weight_sets)
+        return RowTiming(rows, 1.0, 2.0, 1.0, 2.0)
+
+    monkeypatch.setattr(gemv_policy, "_time_rows", record)
+    measure_gemv_rows(SMALL_SHAPES, [1], torch.float32)
+    assert seen == [[(48, 32), (48, 32), (16, 32)]]
+
+
+def test_decide_reads_the_graph(monkeypatch) -> None:
+    seen = {}
+
+    def fake_measure(shapes, candidate_rows, dtype, device):
+        seen.update(shapes=shapes, dtype=dtype, device=torch.device(device))
+        return GemvDecision(())
+
+    monkeypatch.setattr(gemv_policy, "measure_gemv_rows", fake_measure)
+    decide_gemv_rows(fx.symbolic_trace(_TwoLinears()), [1, 2])
+    assert seen == {
+        "shapes": [
+            LinearShape(48, 32, torch.float32, "none"),  # reads the graph input
+            LinearShape(16, 48, torch.float32, "activation"),  # reads silu(first)
+        ],
+        "dtype": torch.float32,
+        "device": torch.device("cpu"),
+    }
+
+
+def test_the_lowering_must_win_clearly() -> None:
+    # The fastest calls decide, and a tie within the margin goes to the GEMM.
+    assert RowTiming(1, gemm_ms=9.0, gemv_ms=1.0, gemm_best_ms=1.0, gemv_best_ms=0.8).lowering_wins
+    assert not RowTiming(1, gemm_ms=9.0, gemv_ms=1.0, gemm_best_ms=1.0, gemv_best_ms=0.95).lowering_wins
+    assert not RowTiming(1, gemm_ms=1.0, gemv_ms=9.0, gemm_best_ms=1.0, gemv_best_ms=1.2).lowering_wins
+
+
+def test_a_measurement_under_load_says_so() -> None:
+    quiet = RowTiming(1, gemm_ms=1.1, gemv_ms=0.6, gemm_best_ms=1.0, gemv_best_ms=0.5)
+    busy = RowTiming(2, gemm_ms=1.1, gemv_ms=2.0, gemm_best_ms=1.0, gemv_best_ms=0.5)
+    assert not GemvDecision((1,), timings=(quiet,)).noisy
+    assert GemvDecision((1, 2), timings=(quiet, busy)).noisy
+
+
+def test_bad_candidates_are_rejected() -> None:
+    with pytest.raises(ValueError, match="positive ints"):
+        measure_gemv_rows(SMALL_SHAPES, [0, 1], torch.float32)
+    with pytest.raises(ValueError, match="prologue"):
+        measure_gemv_rows([LinearShape(4, 4, torch.float32, "softmax")], [1], torch.float32)
+
+
+KINDS = ("norm", "activation", "none")
+
+
+def test_prologue_inputs_are_recorded_and_computed_alike() -> None:
+    # The measured graph records the same prologue the GEMM side computes eagerly.
+    gm = gemv_policy._measured_graph([(8, 16, kind) for kind in KINDS], rows=2)
+    assert count_linears(gm) == 0
+    generator = torch.Generator().manual_seed(0)
+    inputs = [gemv_policy._prologue_inputs(kind, 2, 16, torch.float32, generator) for kind in KINDS]
+    weights = [torch.randn(8, 16, generator=generator) for _ in KINDS]
+    expected = [
+        F.linear(gemv_policy._prologue(k, i), w) for k, i, w in zip(KINDS, inputs, weights, strict=True)
+    ]
+    got = gm(*[t for group in inputs for t in group], *weights)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
