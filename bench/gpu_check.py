@@ -214,8 +214,9 @@ def backends_section(report: Report) -> None:
 
     present = sorted(p.name for p in Path(kernels.__file__).parent.glob("*.py"))
     report.line(
-        "- CUDA graphs (decode bucket capture): device layer built (graphs/device.py, "
-        "graphs/bucket_graphs.py), not yet used by the engine; checked standalone below"
+        "- CUDA graphs (decode bucket capture): the compiled engine captures one per decode bucket "
+        "(graphs/decode_graphs.py on graphs/device.py); the device layer is checked standalone below, "
+        "the engine's graphs by the compiled parity cases and the timings (with and without graphs)"
     )
     report.line("- Triton paged-attention kernel: not built yet")
     report.line("- FlashInfer attention backend: not built yet")
@@ -721,7 +722,11 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
             "| system | " + " | ".join(f"c={c} ms/step (tok/s)" for c in plan.concurrency) + " | memory |"
         )
         report.line("|---|" + "---|" * (len(plan.concurrency) + 1))
-        systems = ["eager", "compiled"] if plan.with_compiled else ["eager"]
+        systems = ["eager"]
+        if plan.with_compiled:
+            systems.append("compiled")
+            if device.type == "cuda":
+                systems.append("compiled, no CUDA graphs")
         compile_notes: list[str] = []
         for system in [*systems, "hf generate"]:
             if budget.exceeded():
@@ -737,12 +742,25 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
                 runner = runner.to(device).eval()
                 step_times = hf_decode_step_times
             else:
-                runner = LLM(str(model_dir), device=str(device), **plan.engine_kwargs(system == "compiled"))
+                runner = LLM(str(model_dir), device=str(device), **plan.engine_kwargs(system != "eager"))
                 compiled = runner.engine.core.runner.compiled_step
                 if compiled is not None:
                     # Compile every bucket now, so no measured step pays for a compile.
                     compiled.compile_buckets(list(plan.buckets))
-                    compile_notes.append(_format_compile_seconds(compiled.compile_seconds))
+                    compile_notes.append(
+                        f"compile s per bucket: {_format_compile_seconds(compiled.compile_seconds)}"
+                    )
+                    graphs = compiled.decode_graphs.graphs
+                    if system == "compiled, no CUDA graphs":
+                        runner.engine.core.runner.release_graphs()
+                    elif graphs is not None and compiled.runtime.supports_graphs:
+                        compile_notes.append(
+                            "decode graphs (bucket: capture s, memory): "
+                            + ", ".join(
+                                f"{b}: {s:.2f} s, {_format_bytes(graphs.graph_memory[b])}"
+                                for b, s in graphs.capture_seconds.items()
+                            )
+                        )
                 step_times = engine_decode_step_times
             load_s = time.perf_counter() - started
             cells = []
@@ -756,7 +774,40 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
             _release_memory()
         report.line("")
         for note in compile_notes:
-            report.line(f"- compiled: compile s per bucket: {note}")
+            report.line(f"- compiled: {note}")
+
+    return run
+
+
+def sized_start_section(models: list[ParityModel], device: torch.device) -> Callable[[Report], None]:
+    """The engine's own KV sizing: build and capture on a one-block cache, then the real cache."""
+
+    def run(report: Report) -> None:
+        from compiled_engine import LLM, SamplingParams
+
+        model = models[0]
+        started = time.perf_counter()
+        llm = LLM(str(model.path), device=str(device), max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
+        ready_s = time.perf_counter() - started
+        step = llm.engine.core.runner.compiled_step
+        graphs = step.decode_graphs.graphs if step is not None else None
+        graph_bytes = graphs.memory_bytes if graphs is not None else 0
+        report.line(
+            f"- {model.label}: ready in {ready_s:.1f} s, {llm.engine.num_kv_blocks} KV blocks sized "
+            f"by the engine (CUDA: from free memory), decode graphs "
+            f"{graphs.captured_buckets if graphs else 'none'} holding {_format_bytes(graph_bytes)}"
+        )
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(_vocab_size(model.path), 8)]
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+        if any(len(o.outputs[0].token_ids) != 8 for o in outs):
+            raise RuntimeError("a request did not produce its 8 tokens")
+        if llm.engine.num_free_kv_blocks() != llm.engine.num_kv_blocks:
+            raise RuntimeError("KV blocks leaked after the batch")
+        report.line("- 8 requests x 8 tokens generated, every KV block free afterwards")
+        del llm
+        _release_memory()
 
     return run
 
@@ -792,6 +843,9 @@ def plan_sections(
         report.line(f"- models: {', '.join(f'{m.label} ({m.path})' for m in models)}")
 
     sections.append(Section("2. Parity models", PARITY_SECTION, build_models))
+    sections.append(
+        Section("Engine start, KV cache sized by the engine", "start", sized_start_section(models, device))
+    )
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
     buckets = QUICK_COMPILE_BUCKETS if args.quick else COMPILE_BUCKETS
     runner = ParityRunner(device, QUICK_NUM_PROMPTS if args.quick else NUM_PROMPTS)

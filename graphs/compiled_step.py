@@ -375,7 +375,11 @@ class CompiledStep:
                 time.perf_counter() - start,
                 self._gemv.reason,
             )
-            if self.cache is not None and self.gemv_lowering:
+            if self._gemv.noisy:
+                # Other work competed with the timing: use the decision for this run, but do not
+                # store it, so the next start (or `compiled-engine warmup`) measures again.
+                logger.warning("GEMV timing was disturbed by other load; decision not cached")
+            elif self.cache is not None and self.gemv_lowering:
                 self.cache.write_record(_GEMV_RECORD, {"decision": self._gemv.to_json()})
         return self._gemv
 

@@ -9,11 +9,12 @@ the CPU, its thread count, the dtype and the model, so no constant is right.
 What is timed: random weights shaped like the model's linears, each fed the way the model
 feeds it. Inductor inlines the pointwise ops that make a linear's input (an RMSNorm before
 q/k/v, gate/up and the LM head; SiLU(gate) * up before the down projection) into the lowered
-reduction, so they run rows x out x in times instead of rows x in. That decided bench-small
-at 8 and 16 rows: bare linears favoured the lowering (3.8 against 4.9 ms at 8 rows), the
-model's step did not (17.6 against 15.0 ms), nor did linears with their prologues (14.2
-against 8.9 ms). `linear_weight_shapes` reads each linear's prologue kind off the graph
-("norm", "activation" or "none") and the measurement rebuilds one like it.
+reduction, so they run rows x out x in times instead of rows x in. On bench-small at 8 rows
+(2 threads, fp32) bare linears favoured the lowering (3.8 against 4.9 ms), the model's whole
+step did not (17.6 against 15.0 ms); with their prologues the linears came out nearly level
+(4.4 against 4.8 ms), and _MIN_SPEEDUP covers the rest. `linear_weight_shapes` reads each
+linear's prologue kind off the graph ("norm", "activation" or "none") and the measurement
+rebuilds one like it.
 
 How: one weight set holds each distinct (shape, prologue) in proportion to how often the
 model has it (at most _MAX_GRAPH_LINEARS linears, each at least once), and there are as many
@@ -279,8 +280,9 @@ def measure_gemv_rows(
     if device.type != "cpu":
         reason = f"not measured on {device.type}: the lowering is only measured on CPUs, never lowered"
         return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
-    if not counts:
-        return GemvDecision((), unmeasured_rows=rows_to_try, reason="no constant-weight linears", **common)
+    if not counts or not rows_to_try:
+        reason = "no constant-weight linears" if not counts else "no candidate row counts"
+        return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
 
     generator = torch.Generator().manual_seed(seed)
     per_set, num_sets = _weight_sets_layout(counts, dtype)

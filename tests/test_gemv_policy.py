@@ -294,6 +294,13 @@ def test_the_lowering_must_win_clearly() -> None:
     assert not RowTiming(1, gemm_ms=1.0, gemv_ms=9.0, gemm_best_ms=1.0, gemv_best_ms=1.2).lowering_wins
 
 
+def test_nothing_to_measure(monkeypatch) -> None:
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted({}, []))  # would fail: no rows scripted
+    assert measure_gemv_rows(SMALL_SHAPES, [], torch.float32).reason == "no candidate row counts"
+    no_linears = measure_gemv_rows([], [1, 2], torch.float32)
+    assert no_linears.lowered_rows == () and no_linears.unmeasured_rows == (1, 2)
+
+
 def test_a_measurement_under_load_says_so() -> None:
     quiet = RowTiming(1, gemm_ms=1.1, gemv_ms=0.6, gemm_best_ms=1.0, gemv_best_ms=0.5)
     busy = RowTiming(2, gemm_ms=1.1, gemv_ms=2.0, gemm_best_ms=1.0, gemv_best_ms=0.5)

@@ -49,7 +49,14 @@ def test_quick_run_reports_environment_backends_and_timings(quick_run):
     assert re.search(r"^- torch \S+ .*transformers \S+", report, re.MULTILINE)
     for backend in ("Triton", "FlashInfer"):
         assert re.search(rf"^- {backend}.*: not built yet$", report, re.MULTILINE), backend
-    assert re.search(r"^- CUDA graphs .*: device layer built", report, re.MULTILINE)
+    assert re.search(
+        r"^- CUDA graphs .*: the compiled engine captures one per decode bucket", report, re.MULTILINE
+    )
+    # The engine's own start on this device, KV cache sized by the engine, a batch run, no leak.
+    assert re.search(
+        r"^- tiny-llama: ready in [0-9.]+ s, \d+ KV blocks sized by the engine", report, re.MULTILINE
+    )
+    assert "every KV block free afterwards" in report
     rows = {
         m.group(1): float(m.group(2))
         for m in re.finditer(r"^\| (eager|compiled|hf generate) \| ([0-9.]+) \(", report, re.MULTILINE)

@@ -16,7 +16,7 @@ decision, by measurement per bucket (graphs/gemv_policy.py); this pass is parame
 Tried and dropped: reducing to [out, *lead] (`product.movedim(-2, 0).sum(-1)`, then moved
 back and made contiguous), so that Inductor's loops put the weight rows outermost and read
 each weight row once for all rows. On bench-small's 25 linears alone (2 threads, fp32,
-contiguous inputs) it took 3.3 / 3.7 / 5.4 ms at 2 / 4 / 8 rows against 7.9 / 9.6 / 11.3 ms
+contiguous inputs) it took 3.3 / 3.7 / 5.4 ms at 2 / 4 / 8 rows against 4.2 / 5.2 / 6.9 ms
 for this form. In the model's graph it was a disaster: Inductor kept the [out, rows] layout
 for the residual stream, and the next linears' reductions came out as a serial loop over
 output features with a parallel region inside each: a 4-token step of bench-small took
