@@ -9,7 +9,7 @@ paged-attention metadata as extra keyword arguments, under `torch.compile(fullgr
 dynamic=True)` with our own Dynamo backend. Attention reaches the graph as
 `torch.ops.compiled_engine.paged_attention` through transformers' AttentionInterface
 (graphs/attention_interface.py); a model that calls SDPA itself is rewritten by the
-lower_sdpa pass. The backend runs the pass manager (lower SDPA, DCE, lowering check) on each
+lower_sdpa pass. The backend runs the pass manager (default_pass_manager) on each
 GraphModule Dynamo hands it and returns it eager — or hands it to `graph_compiler` (Inductor)
 when one is given, after the passes.
 

@@ -1,24 +1,27 @@
 """Inductor-compiled step graphs, one per token-count bucket, called without Dynamo.
 
-`CompiledStep(model, kv_caches, buffers, buckets, fuse_linears=True)`:
-1. traces the step once through Dynamo (graphs/capture.py, passes included: with
+`CompiledStep(model, kv_caches, buffers, buckets, fuse_linears=True, cache=None, ...)`:
+1. with a compile-cache entry (graphs/compile_cache.py) that holds the step's calling
+   convention and a bucket's artifact, loads them: no trace, no compile. The artifacts hold
+   code only; their weights are rebuilt from the model by recipes (graphs/constant_recipes.py);
+2. otherwise traces the step once through Dynamo (graphs/capture.py, passes included: with
    `fuse_linears`, weights frozen and q/k/v and gate/up fused into one GEMM each) on a synthetic
    step whose T, S, K and block-table width are all different and >= 2, with duck shaping
    off, so the one general graph keeps every size as its own symbol (duck shaping would tie
    equal example sizes together, and 0/1 sizes would be specialised). The synthetic step's
-   slot_mapping is all -1: tracing writes nothing into the KV cache;
-2. freezes the graph's calling convention (graphs/calling_convention.py), read after the
-   passes: frozen weights are no longer inputs, the compiled graph holds them;
-3. compiles it with Inductor (`torch._inductor.standalone_compile`) per bucket, static in T,
-   S and K and dynamic in the block-table width (graphs/buckets.py says why), lazily on first
-   use or up front with `compile_buckets()`; plus once with all sizes dynamic for steps above
-   the largest bucket.
+   slot_mapping is all -1: tracing writes only the KV cache's scratch block;
+3. freezes the graph's calling convention (graphs/calling_convention.py), read after the
+   passes: frozen weights are no longer inputs of the traced graph;
+4. compiles per bucket, lazily on first use or up front with `compile_buckets()`, a variant of
+   the graph (sharing its weights) with the per-bucket rewrites: the GEMV lowering where
+   graphs/gemv_policy.py measured it to win, the inline attention maths for decode buckets on
+   CPU (graphs/passes/inline_attention.py). Static in T, S and K; the block-table width and the
+   caches' block count stay symbolic (graphs/buckets.py says why). Plus once with all sizes
+   dynamic for steps above the largest bucket. Each compiled graph is saved to the cache.
 
-`__call__(inputs)` pads the step in the persistent buffers (graphs/buckets.py), builds the
-arguments and calls the compiled artifact directly: no guard evaluation per step.
-
-Inductor caches its artifacts under TORCHINDUCTOR_CACHE_DIR (its default when unset), which
-makes a second engine start mostly cache hits.
+`__call__(inputs)` replays a captured decode graph when one serves the step
+(graphs/decode_graphs.py), else pads the step in the persistent buffers (graphs/buckets.py),
+builds the arguments and calls the compiled artifact directly: no guard evaluation per step.
 """
 
 from __future__ import annotations
