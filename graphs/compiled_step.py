@@ -184,7 +184,7 @@ def step_component_versions(fuse_linears: bool) -> dict[str, str]:
         "paged_attention_reference": REFERENCE_VERSION,
         "device_runtime": DEVICE_RUNTIME_VERSION,
         "bucket_graphs": BUCKET_GRAPHS_VERSION,
-        "gemv_policy": GEMV_POLICY_VERSION,
+        "gemv_policy": f"{GEMV_POLICY_VERSION};gemv_lowering={GemvLowering.version}",
         "inline_attention": f"{InlineAttention.version};{INLINE_ATTENTION_VERSION}",
     }
 
