@@ -44,6 +44,20 @@ class DecodeStep:
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S + 1] int32
 
+    def op_args(self, scale: float) -> tuple:
+        """The paged-attention op's positional arguments (inline_layer takes the same)."""
+        return (
+            self.query,
+            self.key,
+            self.value,
+            self.kv_cache,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            scale,
+        )
+
     @property
     def kv_bytes_read(self) -> int:
         # Every visible key and value once: the whole context of every sequence, K and V.
@@ -74,18 +88,8 @@ def make_decode_step(num_seqs: int, context: int, seed: int = 0) -> DecodeStep:
 
 
 def reference_layer(step: DecodeStep, scale: float) -> torch.Tensor:
-    # Through the registered op, as every captured graph calls it today.
-    return torch.ops.compiled_engine.paged_attention(
-        step.query,
-        step.key,
-        step.value,
-        step.kv_cache,
-        step.slot_mapping,
-        step.block_tables,
-        step.seq_lens,
-        step.query_start_loc,
-        scale,
-    )
+    # Through the registered op, as prefill buckets and the dynamic graph call it.
+    return torch.ops.compiled_engine.paged_attention(*step.op_args(scale))
 
 
 def inline_layer(
@@ -150,17 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         step = make_decode_step(num_seqs, context)
         # Static shapes, as a shape-specialised decode bucket would be compiled.
         compiled = torch.compile(inline_layer, dynamic=False, fullgraph=True, backend="inductor")
-        inputs = (
-            step.query,
-            step.key,
-            step.value,
-            step.kv_cache,
-            step.slot_mapping,
-            step.block_tables,
-            step.seq_lens,
-            step.query_start_loc,
-            scale,
-        )
+        inputs = step.op_args(scale)
         diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
         timings = time_interleaved(
             {

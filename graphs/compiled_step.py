@@ -154,6 +154,13 @@ class TracedStep:
             raise RuntimeError("the traced graph has no block-table width input; it was specialised")
 
 
+class BucketVariant(NamedTuple):
+    """The per-bucket rewrites a bucket's graph got before Inductor."""
+
+    gemv: bool = False  # linears lowered to multiply-sums (graphs/gemv_policy.py)
+    inline_attention: bool = False  # attention as fused maths (graphs/passes/inline_attention.py)
+
+
 @dataclass(frozen=True)
 class BucketBuild:
     """How one bucket's compiled graph was obtained at start-up or first use."""
@@ -162,15 +169,7 @@ class BucketBuild:
     source: str  # "compiled" (traced graph through Inductor) or "loaded" (from the compile cache)
     seconds: float
     saved: bool  # written to the compile cache
-    gemv: bool = False  # its linears were lowered to multiply-sums (graphs/gemv_policy.py)
-    inline_attention: bool = False  # attention as fused maths (graphs/passes/inline_attention.py)
-
-
-class BucketVariant(NamedTuple):
-    """The per-bucket rewrites a bucket's graph got before Inductor."""
-
-    gemv: bool = False
-    inline_attention: bool = False
+    variant: BucketVariant = BucketVariant()
 
 
 def step_component_versions(fuse_linears: bool) -> dict[str, str]:
@@ -215,8 +214,6 @@ class CompiledStep:
         fuse_linears: bool = True,
         cache: CacheEntry | None = None,
         runtime: DeviceRuntime | None = None,
-        gemv_lowering: bool = True,
-        inline_attention: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -229,8 +226,6 @@ class CompiledStep:
         check_buffer_room(buffers)
         self.traced: TracedStep | None = None
         self.num_traces = 0
-        self.gemv_lowering = gemv_lowering
-        self.inline_attention = inline_attention
         # Which buckets get the GEMV lowering: measured once per cache entry (graphs/gemv_policy.py).
         self._gemv: GemvDecision | None = None
         self.builds: dict[int | None, BucketBuild] = {}
@@ -274,7 +269,7 @@ class CompiledStep:
         for bucket in buckets:
             if bucket is not None and bucket not in self.buckets:
                 raise ValueError(f"{bucket} is not one of the buckets {self.buckets}")
-            self._artifact(bucket)
+            self.artifact(bucket)
 
     def capture_graphs(self) -> BucketGraphs:
         """Capture a graph per decode bucket (CUDA graphs on CUDA); decode steps then replay them."""
@@ -293,10 +288,6 @@ class CompiledStep:
     def step_args(self, inputs: StepInputs) -> list[Any]:
         """The compiled graphs' positional arguments for `inputs` (views of the buffers)."""
         return self._build_args(inputs, self.kv_caches)
-
-    def artifact(self, bucket: int | None) -> Callable[..., Any]:
-        """The bucket's compiled callable (None: the dynamic graph), built now if needed."""
-        return self._artifact(bucket)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         replayed = self.decode_graphs.run(inputs)
@@ -318,7 +309,7 @@ class CompiledStep:
                 max(num_logits, _MIN_DYNAMIC_SIZE),
                 max(width, _MIN_DYNAMIC_SIZE),
             )
-        artifact = self._artifact(bucket)
+        artifact = self.artifact(bucket)
         with torch.no_grad():
             logits = artifact(*self._build_args(padded, self.kv_caches))[0]
         return logits[:num_logits]
@@ -343,7 +334,8 @@ class CompiledStep:
             self.cache.discard(self.cache.dir / f"{_STEP_RECORD}.json", exc)
             return None
 
-    def _artifact(self, bucket: int | None) -> Callable[..., Any]:
+    def artifact(self, bucket: int | None) -> Callable[..., Any]:
+        """The bucket's compiled callable (None: the dynamic graph), built now if needed."""
         artifact = self._artifacts.get(bucket)
         if artifact is None:
             artifact = self._load(bucket) if self.cache is not None else None
@@ -352,7 +344,7 @@ class CompiledStep:
             compiled, graph, variant = self._compile(bucket)
             seconds = time.perf_counter() - start
             saved = self._save(bucket, compiled, graph, variant)
-            self.builds[bucket] = BucketBuild(bucket, "compiled", seconds, saved, *variant)
+            self.builds[bucket] = BucketBuild(bucket, "compiled", seconds, saved, variant)
             artifact = compiled
         self._artifacts[bucket] = artifact
         return artifact
@@ -361,8 +353,7 @@ class CompiledStep:
         """Which buckets' graphs get the GEMV lowering: from the cache entry, else measured now."""
         if self._gemv is not None:
             return self._gemv
-        candidates = list(self.buckets) if self.gemv_lowering else []
-        if self.cache is not None and self.gemv_lowering:
+        if self.cache is not None:
             record = self.cache.read_record(_GEMV_RECORD, required=("decision",))
             if record is not None:
                 try:
@@ -371,7 +362,7 @@ class CompiledStep:
                     self.cache.discard(self.cache.dir / f"{_GEMV_RECORD}.json", exc)
         if self._gemv is None:
             start = time.perf_counter()
-            self._gemv = decide_gemv_rows(self._trace().graph, candidates)
+            self._gemv = decide_gemv_rows(self._trace().graph, list(self.buckets))
             logger.info(
                 "GEMV lowering for buckets %s (measured in %.1f s: %s)",
                 list(self._gemv.lowered_rows),
@@ -382,7 +373,7 @@ class CompiledStep:
                 # Other work competed with the timing: use the decision for this run, but do not
                 # store it, so the next start (or `compiled-engine warmup`) measures again.
                 logger.warning("GEMV timing was disturbed by other load; decision not cached")
-            elif self.cache is not None and self.gemv_lowering:
+            elif self.cache is not None:
                 self.cache.write_record(_GEMV_RECORD, {"decision": self._gemv.to_json()})
         return self._gemv
 
@@ -393,18 +384,13 @@ class CompiledStep:
         replaces ~40 eager calls per layer. Prefill-sized buckets keep the op, whose chunked
         matmuls suit long queries; other devices keep the op (their kernels come from it).
         """
-        return (
-            self.inline_attention
-            and bucket is not None
-            and self.runtime.kind == "cpu"
-            and bucket <= self.max_num_seqs
-        )
+        return bucket is not None and self.runtime.kind == "cpu" and bucket <= self.max_num_seqs
 
     def _bucket_graph(self, bucket: int | None) -> tuple[fx.GraphModule, bool, bool]:
         """The graph to compile for `bucket`: the traced graph, or a variant sharing its weights
         with the GEMV lowering and/or inline attention applied. Returns (graph, gemv, inline)."""
         graph = self._trace().graph
-        gemv = bucket is not None and self.gemv_lowering and self.gemv_decision().lowers(bucket)
+        gemv = bucket is not None and self.gemv_decision().lowers(bucket)
         inline = self.inlines_attention(bucket)
         if not gemv and not inline:
             return graph, False, False
@@ -485,7 +471,7 @@ class CompiledStep:
             return None
         seconds = time.perf_counter() - start
         variant = BucketVariant(bool(header.get("gemv")), bool(header.get("inline_attention")))
-        self.builds[bucket] = BucketBuild(bucket, "loaded", seconds, True, *variant)
+        self.builds[bucket] = BucketBuild(bucket, "loaded", seconds, True, variant)
 
         def call_loaded(*args: Any) -> Any:
             # A loaded artifact takes the graph's lifted weights first (graphs/constant_recipes.py).

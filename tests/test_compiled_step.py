@@ -116,8 +116,8 @@ def test_decode_buckets_inline_the_attention_on_cpu(setup):
     compiled, _, _, _ = setup
     compiled.compile_buckets([1, 8, None])
     # Buckets that can be decode batches (<= max_num_seqs = 6) run the fused maths; the rest the op.
-    assert compiled.builds[1].inline_attention and not compiled.builds[8].inline_attention
-    assert not compiled.builds[None].inline_attention
+    assert compiled.builds[1].variant.inline_attention and not compiled.builds[8].variant.inline_attention
+    assert not compiled.builds[None].variant.inline_attention
     graph, _, inline = compiled._bucket_graph(1)
     assert inline
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]

@@ -124,7 +124,7 @@ class LLMEngine:
                 graph_bytes = 0
                 if enforce_eager:
                     ids = torch.zeros(1, max_num_batched_tokens, dtype=torch.long, device=dev)
-                    largest = lambda: loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+                    largest = partial(loaded.model, input_ids=ids, use_cache=False, logits_to_keep=1)
                 else:
                     runner = build_runner(allocate(1))
                     graph_bytes = runner.capture_graphs()
@@ -174,7 +174,7 @@ class LLMEngine:
             runner.set_kv_caches(caches)
         # Decode graphs per bucket where the device has graphs (CUDA); CPU runs the bucket
         # graphs directly (graphs/decode_graphs.py).
-        if runner.compiled_step is not None and runner.compiled_step.runtime.supports_graphs:
+        if runner.supports_graphs:
             runner.capture_graphs()
         scheduler = Scheduler(
             SchedulerConfig(

@@ -46,8 +46,8 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
             (
                 _bucket_label(row.bucket),
                 "hit" if hit else "miss",
-                "yes" if build.gemv else "no",
-                "inline" if build.inline_attention else "op",
+                "yes" if build.variant.gemv else "no",
+                "inline" if build.variant.inline_attention else "op",
                 "-" if hit else f"{build.seconds:.2f}",
                 f"{build.seconds:.2f}" if hit else "-",
                 "yes" if build.saved else "no",

@@ -111,6 +111,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    @property
+    def supports_graphs(self) -> bool:
+        """Whether decode graphs are worth capturing: compiled mode on a device with graphs (CUDA)."""
+        return self.compiled_step is not None and self.compiled_step.runtime.supports_graphs
+
     def capture_graphs(self) -> int:
         """Capture the decode graphs (compiled mode); returns the bytes they hold on the device."""
         if self.compiled_step is None:
