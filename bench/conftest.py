@@ -58,8 +58,9 @@ def pytest_configure(config):
 
 def pytest_generate_tests(metafunc):
     sizes: BenchSizes = metafunc.config._bench_sizes
+    models = sizes.startup_models if metafunc.function.__name__ == "test_startup" else sizes.models
     params = {
-        "model_name": list(sizes.models),
+        "model_name": list(models),
         "system": list(SYSTEMS),
         "prompt_len": list(sizes.ttft_prompt_lens),
         "concurrency": list(sizes.decode_concurrency),
@@ -78,6 +79,8 @@ class BenchSession:
         self.dtype = dtype
         self._engines: dict[str, object] = {}
         self._hf: dict[str, object] = {}
+        # Median cold start-up seconds of ours per model, for the warm/cold check.
+        self.cold_startup_s: dict[str, float] = {}
 
     def model_dir(self, name: str) -> Path:
         model = resolve_model(name)
@@ -104,15 +107,17 @@ class BenchSession:
             max(s.decode_concurrency) * s.decode_prompt_len,
         )
 
-    def engine(self, name: str):
-        if name not in self._engines:
-            llm = load_engine(self.model_dir(name), self.settings(name), self.dtype)
+    def engine(self, name: str, **options):
+        """Our engine for `name` (options such as async_scheduling=True build a separate one)."""
+        key = (name, tuple(sorted(options.items())))
+        if key not in self._engines:
+            llm = load_engine(self.model_dir(name), self.settings(name), self.dtype, **options)
             # Requests of a few shapes first, so first-call costs are not charged to the first test.
             warm = fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
             run_engine_generate(llm, warm)
             run_engine_generate(llm, warm[:1])
-            self._engines[name] = llm
-        return self._engines[name]
+            self._engines[key] = llm
+        return self._engines[key]
 
     def hf(self, name: str):
         if name not in self._hf:

@@ -724,9 +724,11 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
         report.line("|---|" + "---|" * (len(plan.concurrency) + 1))
         systems = ["eager"]
         if plan.with_compiled:
-            systems.append("compiled")
+            systems.append("compiled")  # the device's default loop: async on CUDA
+            systems.append("compiled, sync loop" if device.type == "cuda" else "compiled, async loop")
             if device.type == "cuda":
                 systems.append("compiled, no CUDA graphs")
+        forward_notes: list[str] = []
         compile_notes: list[str] = []
         for system in [*systems, "hf generate"]:
             if budget.exceeded():
@@ -742,7 +744,13 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
                 runner = runner.to(device).eval()
                 step_times = hf_decode_step_times
             else:
-                runner = LLM(str(model_dir), device=str(device), **plan.engine_kwargs(system != "eager"))
+                loop = {"compiled, sync loop": False, "compiled, async loop": True}.get(system)
+                runner = LLM(
+                    str(model_dir),
+                    device=str(device),
+                    async_scheduling=loop,
+                    **plan.engine_kwargs(system != "eager"),
+                )
                 compiled = runner.engine.core.runner.compiled_step
                 if compiled is not None:
                     # Compile every bucket now, so no measured step pays for a compile.
@@ -767,6 +775,14 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
             for c in plan.concurrency:
                 ms = _median_ms(step_times(runner, prompts[c], plan, device))
                 cells.append(f"{ms:.2f} ({c * 1e3 / ms:.0f})")
+                if system == "compiled":
+                    forward = _graph_forward_ms(runner, c, plan.buckets, device)
+                    if forward is not None:
+                        loop = "async" if runner.engine.async_scheduling else "sync"
+                        forward_notes.append(
+                            f"c={c}: engine step ({loop} loop) {ms:.2f} ms vs its CUDA-graph forward alone "
+                            f"{forward:.2f} ms: {100 * (ms / forward - 1):+.1f}% (target at c=64: within +5%)"
+                        )
             report.line(
                 f"| {system} | " + " | ".join(cells) + f" | {_peak_memory(device)}; ready in {load_s:.1f} s |"
             )
@@ -775,8 +791,30 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
         report.line("")
         for note in compile_notes:
             report.line(f"- compiled: {note}")
+        for note in forward_notes:
+            report.line(f"- {note}")
 
     return run
+
+
+def _graph_forward_ms(llm, concurrency: int, buckets: tuple[int, ...], device: torch.device) -> float | None:
+    """Median ms of replaying the decode graph of `concurrency`'s bucket alone (CUDA graphs only)."""
+    from compiled_engine.graphs.buckets import bucket_for
+
+    compiled = llm.engine.core.runner.compiled_step
+    graphs = compiled.decode_graphs.graphs if compiled is not None else None
+    bucket = bucket_for(concurrency, buckets)
+    if graphs is None or bucket is None or not graphs.has(bucket) or device.type != "cuda":
+        return None
+    times = []
+    for _ in range(30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.replay(bucket)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
 
 
 def sized_start_section(models: list[ParityModel], device: torch.device) -> Callable[[Report], None]:

@@ -34,6 +34,10 @@ BENCH_SMALL_VERSION = "1"
 CACHE_ENV = "COMPILED_ENGINE_BENCH_CACHE"
 BENCH_SMALL = "bench-small"
 EMBEDDED = "embedded"
+# The tiny random Llama the unit tests build (tests/model_factory.py, default arguments): only the
+# start-up suite times it, for the warm/cold ratio on "the test model".
+TEST_TINY = "test-tiny"
+TEST_TINY_SEED = 0
 
 
 class BenchModel(NamedTuple):
@@ -64,19 +68,38 @@ def _build_bench_small(out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def _build_test_tiny(out_dir: Path) -> None:
+    from tests.model_factory import make_tiny_model
+
+    built = make_tiny_model(out_dir, seed=TEST_TINY_SEED, name="model")
+    for item in built.iterdir():
+        item.rename(out_dir / item.name)
+    built.rmdir()
+
+
 def bench_small_dir(root: Path | None = None) -> Path:
     """The bench-small folder, built once and reused (the build is deterministic for a version)."""
-    target = (root or cache_root()) / f"{BENCH_SMALL}-v{BENCH_SMALL_VERSION}"
+    return _built_once(
+        (root or cache_root()) / f"{BENCH_SMALL}-v{BENCH_SMALL_VERSION}",
+        _build_bench_small,
+        {"seed": BENCH_SMALL_SEED, "version": BENCH_SMALL_VERSION, **BENCH_SMALL_CONFIG},
+    )
+
+
+def tiny_test_model_dir(root: Path | None = None) -> Path:
+    """The unit tests' tiny model, saved once under the bench cache."""
+    return _built_once((root or cache_root()) / TEST_TINY, _build_test_tiny, {"seed": TEST_TINY_SEED})
+
+
+def _built_once(target: Path, build, info: dict) -> Path:
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a crashed or concurrent build never leaves half a model.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _build_bench_small(staging)
-        (staging / "bench_model.json").write_text(
-            json.dumps({"seed": BENCH_SMALL_SEED, "version": BENCH_SMALL_VERSION, **BENCH_SMALL_CONFIG})
-        )
+        build(staging)
+        (staging / "bench_model.json").write_text(json.dumps(info))
         try:
             staging.rename(target)
         except OSError:
@@ -103,7 +126,7 @@ def embedded_model() -> BenchModel:
 
 
 def model_names() -> list[str]:
-    return [EMBEDDED, BENCH_SMALL]
+    return [EMBEDDED, BENCH_SMALL, TEST_TINY]
 
 
 def resolve_model(name: str) -> BenchModel:
@@ -112,6 +135,8 @@ def resolve_model(name: str) -> BenchModel:
         return BenchModel(BENCH_SMALL, bench_small_dir())
     if name == EMBEDDED:
         return embedded_model()
+    if name == TEST_TINY:
+        return BenchModel(TEST_TINY, tiny_test_model_dir())
     raise ValueError(f"unknown bench model {name!r}; expected one of {model_names()}")
 
 

@@ -215,6 +215,42 @@ def startup_section(results) -> list[str]:
     return lines
 
 
+def step_timeline_section(results) -> list[str]:
+    """Sync vs async engine loop: per-step host, execute and wall times (medians over rounds)."""
+    lines = []
+    for model in _models(results, "step-timeline"):
+        lines += [
+            f"## Step timeline, sync vs async loop ({model})",
+            "",
+            "Per step, median over rounds: host = schedule + prepare + update; execute = the step's "
+            "work on the execution stream; wait = host blocked on tokens; idle = 1 - execute / wall.",
+            "",
+            "| concurrency | loop | steps | host ms | execute ms | wait ms | wall ms | device idle | "
+            "tok/s | discarded |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for param in _params(results, "step-timeline", model):
+            for loop in ("sync", "async"):
+                bench = results.get(("step-timeline", model, param, f"ours-{loop}"))
+                if bench is None:
+                    continue
+                ts = bench["extra_info"]["timelines"]
+
+                def med(key, ts=ts):
+                    return statistics.median(t[key] for t in ts)
+
+                host = statistics.median(t["schedule_s"] + t["prepare_s"] + t["update_s"] for t in ts)
+                rate = statistics.median(bench["extra_info"]["round_tokens_per_s"])
+                ms = {key: med(key) * 1e3 for key in ("execute_s", "wait_s", "step_wall_s")}
+                lines.append(
+                    f"| {param} | {loop} | {med('steps'):.0f} | {host * 1e3:.2f} | {ms['execute_s']:.2f} | "
+                    f"{ms['wait_s']:.2f} | {ms['step_wall_s']:.2f} | {med('device_idle'):.0%} | "
+                    f"{rate:,.0f} | {med('discarded_tokens'):.0f} |"
+                )
+        lines.append("")
+    return lines
+
+
 def floors_section(context: dict) -> list[str]:
     rates = context.get("rates", {})
     lines = [
@@ -378,6 +414,7 @@ def write_report(results_path: Path, out_dir: Path, plots: bool = True) -> Path:
     lines += decode_section(results, decode_png)
     lines += throughput_section(results, throughput_png)
     lines += startup_section(results)
+    lines += step_timeline_section(results)
     lines += floors_section(context)
     lines += METHOD.splitlines()
     target.write_text("\n".join(lines).rstrip() + "\n")

@@ -65,10 +65,10 @@ def engine_settings(max_positions: int, longest_request: int, max_concurrency: i
     )
 
 
-def load_engine(model_dir: Path, settings: EngineSettings, dtype: str = "float32"):
+def load_engine(model_dir: Path, settings: EngineSettings, dtype: str = "float32", **options):
     from compiled_engine import LLM
 
-    return LLM(model=str(model_dir), dtype=dtype, **settings.as_kwargs())
+    return LLM(model=str(model_dir), dtype=dtype, **settings.as_kwargs(), **options)
 
 
 def _greedy(max_tokens: int):

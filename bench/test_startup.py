@@ -1,4 +1,4 @@
-"""Start-up: a fresh Python process, from interpreter start to the first generated token.
+"""Start-up: a fresh Python process, from its launch to the first generated token (wall clock).
 
 Ours: import, `LLM(...)` (load, graph capture or cache load, KV-cache allocation, warm-up) and a
 1-token request. HF: import, `from_pretrained` and a 1-token `generate`.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,21 +25,30 @@ import pytest
 from bench.conftest import record
 from bench.runners import RunResult
 
+# Warm start-up as a fraction of cold (median fresh processes, same session), checked when both
+# ran: the compiler issue's target on the unit tests' model, for a start that builds every graph.
+# A lazy start cannot reach it on a model this small: its warm floor is importing torch, Inductor
+# and transformers (~4.5 s here) against a ~25 s cold start that compiles two graphs.
+RATIO_TARGETS = {"test-tiny": 0.15}
+
 _OURS = """
 import json, sys, time
 start = time.perf_counter()
 from compiled_engine import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], dtype=sys.argv[3], **json.loads(sys.argv[2]))
-built = time.perf_counter()
 step = llm.engine.core.runner.compiled_step
+if sys.argv[4] == "all":  # ready for every batch size, as after `compiled-engine warmup`
+    from compiled_engine.entrypoints.warmup import warm_up_buckets
+    warm_up_buckets(step, show_progress=False)
+built = time.perf_counter()
 compiled = sum(b.source == "compiled" for b in step.builds.values())
 out = llm.generate([{"prompt_token_ids": [3] * 16}], SamplingParams(max_tokens=1, temperature=0.0,
                    ignore_eos=True), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 1
 done = time.perf_counter()
 print(json.dumps({"import_s": imported - start, "build_s": built - imported, "first_token_s": done - built,
-                  "traces": step.num_traces, "compiles": compiled}))
+                  "first_token_at": time.time(), "traces": step.num_traces, "compiles": compiled}))
 """
 
 _HF = """
@@ -55,7 +65,8 @@ with torch.inference_mode():
                          max_new_tokens=1, min_new_tokens=1, pad_token_id=0)
 assert out.shape[1] == 17
 done = time.perf_counter()
-print(json.dumps({"import_s": imported - start, "build_s": built - imported, "first_token_s": done - built}))
+print(json.dumps({"import_s": imported - start, "build_s": built - imported, "first_token_s": done - built,
+                  "first_token_at": time.time()}))
 """
 
 
@@ -67,19 +78,28 @@ def _run_fresh_process(script: str, args: list[str], cache_dir: Path | None = No
         # Our compile cache, with Inductor's own cache inside it (graphs/compile_cache.py).
         env["COMPILED_ENGINE_CACHE_DIR"] = str(cache_dir)
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    start = time.perf_counter()
+    launched = time.time()
     proc = subprocess.run(
         [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=900
     )
-    elapsed = time.perf_counter() - start
+    exited = time.time()
     if proc.returncode != 0:
         raise AssertionError(f"start-up process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     phases = json.loads(proc.stdout.strip().splitlines()[-1])
-    return elapsed, phases
+    # Start-up ends at the first token. The interpreter's exit after it (about 1 s once Inductor's
+    # modules are loaded, in both systems) is reported, not counted.
+    phases["exit_s"] = exited - phases["first_token_at"]
+    return phases["first_token_at"] - launched, phases
 
 
+@pytest.mark.parametrize("graphs", ["lazy", "all"])
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_startup(benchmark, bench_session, sizes, model_name, system, start, tmp_path):
+def test_startup(benchmark, bench_session, sizes, model_name, system, start, graphs, tmp_path):
+    """`graphs="lazy"`: the engine builds the graphs the first token needs, the rest on first use.
+    `graphs="all"` (ours, test-tiny only: ~8 s per cold graph): every bucket's graph before the first
+    token, as a server that must not stall on a new batch size does (`compiled-engine warmup`)."""
+    if graphs == "all" and (system != "ours" or model_name not in RATIO_TARGETS):
+        pytest.skip("every-graph start-up is timed for ours on the test model only")
     model_dir: Path = bench_session.model_dir(model_name)
     if system == "ours":
         # The same limits (and so the same KV-cache allocation) the other suites run with.
@@ -87,11 +107,13 @@ def test_startup(benchmark, bench_session, sizes, model_name, system, start, tmp
             str(model_dir),
             json.dumps(bench_session.settings(model_name).as_kwargs()),
             bench_session.dtype,
+            graphs,
         ]
         script = _OURS
     else:
         args = [str(model_dir), bench_session.dtype]
         script = _HF
+    label = model_name if graphs == "lazy" else f"{model_name} (all graphs)"
 
     rounds: list[tuple[float, dict]] = []
     counter = iter(range(1000))
@@ -106,7 +128,7 @@ def test_startup(benchmark, bench_session, sizes, model_name, system, start, tmp
     if system == "ours" and start == "warm":
         _run_fresh_process(script, args, cache_dir())  # fills the cache, untimed
 
-    benchmark.group = f"startup-{start} {model_name}"
+    benchmark.group = f"startup-{start} {label}"
     benchmark.pedantic(
         lambda: rounds.append(_run_fresh_process(script, args, cache_dir())),
         rounds=sizes.startup_rounds,
@@ -117,7 +139,7 @@ def test_startup(benchmark, bench_session, sizes, model_name, system, start, tmp
     record(
         benchmark,
         workload="startup",
-        model=model_name,
+        model=label,
         system=system,
         param=0 if start == "cold" else 1,
         results=[RunResult(elapsed, 1) for elapsed, _ in rounds],
@@ -128,5 +150,15 @@ def test_startup(benchmark, bench_session, sizes, model_name, system, start, tmp
     if system == "ours" and start == "warm":
         # A warm start neither traces the model nor compiles a graph.
         assert all(p["traces"] == 0 and p["compiles"] == 0 for p in phases), phases
+        cold = bench_session.cold_startup_s.get(label)
+        if cold is not None:
+            ratio = statistics.median(elapsed for elapsed, _ in rounds) / cold
+            benchmark.extra_info["warm_over_cold"] = ratio
+            if graphs == "all" and model_name in RATIO_TARGETS:
+                assert ratio <= RATIO_TARGETS[model_name], (
+                    f"warm start took {ratio:.3f} of the cold start on {label} "
+                    f"(target <= {RATIO_TARGETS[model_name]})"
+                )
     if system == "ours" and start == "cold":
         assert all(p["traces"] == 1 and p["compiles"] >= 1 for p in phases), phases
+        bench_session.cold_startup_s[label] = statistics.median(elapsed for elapsed, _ in rounds)

@@ -30,6 +30,8 @@ class BenchSizes:
     hf_batch_size: int
     startup_rounds: int
     models: tuple[str, ...]
+    # The start-up suite also times the unit tests' tiny model (the warm/cold ratio's "test model").
+    startup_models: tuple[str, ...]
 
 
 FULL = BenchSizes(
@@ -47,6 +49,7 @@ FULL = BenchSizes(
     hf_batch_size=64,
     startup_rounds=2,
     models=("embedded", "bench-small"),
+    startup_models=("embedded", "bench-small", "test-tiny"),
 )
 
 QUICK = BenchSizes(
@@ -64,6 +67,7 @@ QUICK = BenchSizes(
     hf_batch_size=64,
     startup_rounds=1,
     models=("embedded", "bench-small"),
+    startup_models=("embedded", "bench-small", "test-tiny"),
 )
 
 # Exercises every code path once, as fast as possible: for CI, not for numbers.
@@ -82,6 +86,7 @@ SMOKE = BenchSizes(
     hf_batch_size=2,
     startup_rounds=1,
     models=("bench-small",),
+    startup_models=("bench-small",),
 )
 
 _PROFILES = {s.profile: s for s in (FULL, QUICK, SMOKE)}

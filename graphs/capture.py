@@ -57,7 +57,9 @@ from compiled_engine.graphs.passes.freeze_parameters import (
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
 from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
 from compiled_engine.graphs.passes.noop_elimination import NoopElimination
+from compiled_engine.graphs.passes.select_attention_backend import SelectAttentionBackend
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
+from compiled_engine.kernels.backends import AttentionBackend
 
 # Distinct graphs one CapturedModel may trace (see the module docstring for the usual count).
 _RECOMPILE_LIMIT = 32
@@ -71,6 +73,7 @@ def default_pass_manager(
     model_class_name: str,
     num_attention_layers: int | None,
     fused_weights: FusedWeightCache | None = None,
+    attention_backend: AttentionBackend | None = None,
 ) -> PassManager:
     """Lower direct SDPA, drop no-ops, the dead mask subgraph and marker, then refuse leftover attention.
 
@@ -78,8 +81,9 @@ def default_pass_manager(
     are fused after the SDPA lowering; that needs graphs whose weights were frozen first.
     No-op elimination runs after the rewriting passes (so it also sees the nodes they add)
     and before DCE, which removes what it leaves unused (the other operand of a dropped
-    `type_as`). With COMPILED_ENGINE_DUMP_GRAPHS=DIR set when the manager is made, every
-    graph it processes is written to DIR before and after each pass (graphs/graph_dump.py).
+    `type_as`). With `attention_backend` other than "torch", a last pass points the attention
+    calls at that backend's op. With COMPILED_ENGINE_DUMP_GRAPHS=DIR set when the manager is made,
+    every graph it processes is written to DIR before and after each pass (graphs/graph_dump.py).
     """
     passes: list[GraphPass] = [LowerSdpa()]
     if fused_weights is not None:
@@ -89,6 +93,8 @@ def default_pass_manager(
         DeadCodeElimination(),
         CheckLowering(model_class_name, num_attention_layers),
     ]
+    if attention_backend is not None and attention_backend.name != "torch":
+        passes.append(SelectAttentionBackend(attention_backend))
     return DumpingPassManager(passes, dump_dir_from_env())
 
 
@@ -231,6 +237,7 @@ def capture_model(
     kv_caches: list[torch.Tensor],
     graph_compiler: GraphCompiler | None = None,
     fuse_linears: bool = False,
+    attention_backend: AttentionBackend | None = None,
 ) -> CapturedModel:
     """Prepare `model` for serving with paged attention; graphs are traced on first calls.
 
@@ -238,7 +245,8 @@ def capture_model(
     list (same tensors) for every step. The model is switched to eval mode, its parameters
     stop requiring grad (Inductor would otherwise trace a backward through the custom op), and
     HF models are switched to our attention implementation. `fuse_linears`: freeze the weights
-    into the graphs and fuse sibling linears (module docstring).
+    into the graphs and fuse sibling linears (module docstring). `attention_backend`: the
+    paged-attention implementation the graphs call (kernels/backends.py; default the torch op).
     """
     _check_kv_caches(kv_caches)
     register_paged_attention()
@@ -250,5 +258,7 @@ def capture_model(
         model.set_attn_implementation(ATTENTION_NAME)
     # One cache per captured model: its graphs share one copy of each concatenated weight.
     fused_weights = FusedWeightCache() if fuse_linears else None
-    pass_manager = default_pass_manager(type(model).__name__, len(kv_caches), fused_weights)
+    pass_manager = default_pass_manager(
+        type(model).__name__, len(kv_caches), fused_weights, attention_backend
+    )
     return CapturedModel(model, kv_caches, pass_manager, graph_compiler, freeze_parameters=fuse_linears)

@@ -68,6 +68,7 @@ from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.graphs.passes.inline_attention import InlineAttention
 from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.kernels.inline_attention import INLINE_ATTENTION_VERSION
 from compiled_engine.kernels.reference import REFERENCE_VERSION
 
@@ -134,7 +135,11 @@ class TracedStep:
     """The one general lowered graph of a model's step, with its calling convention."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[torch.Tensor], fuse_linears: bool = True
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        fuse_linears: bool = True,
+        attention_backend: AttentionBackend | None = None,
     ) -> None:
         recorded: list[tuple[fx.GraphModule, list[Any], CallingConvention]] = []
 
@@ -143,7 +148,13 @@ class TracedStep:
             return gm.forward
 
         # `record` runs after the passes, on the frozen graph and its kept example inputs.
-        captured = capture_model(model, kv_caches, graph_compiler=record, fuse_linears=fuse_linears)
+        captured = capture_model(
+            model,
+            kv_caches,
+            graph_compiler=record,
+            fuse_linears=fuse_linears,
+            attention_backend=attention_backend,
+        )
         with fx_config.patch(use_duck_shape=False), torch.inference_mode():
             captured(_trace_inputs(kv_caches[0].device))
         if len(recorded) != 1:
@@ -172,10 +183,15 @@ class BucketBuild:
     variant: BucketVariant = BucketVariant()
 
 
-def step_component_versions(fuse_linears: bool) -> dict[str, str]:
+def step_component_versions(
+    fuse_linears: bool, attention_backend: AttentionBackend | None = None
+) -> dict[str, str]:
     """Versions of every piece that shapes the compiled graphs, for the compile-cache manifest."""
-    passes = default_pass_manager("<any>", None, FusedWeightCache() if fuse_linears else None)
+    passes = default_pass_manager(
+        "<any>", None, FusedWeightCache() if fuse_linears else None, attention_backend
+    )
     return {
+        "attention_backend": attention_backend.version if attention_backend is not None else "torch",
         "compiled_step": COMPILED_STEP_VERSION,
         "passes": passes.version(),
         "freeze_parameters": FreezeParameters.version,
@@ -214,8 +230,10 @@ class CompiledStep:
         fuse_linears: bool = True,
         cache: CacheEntry | None = None,
         runtime: DeviceRuntime | None = None,
+        attention_backend: AttentionBackend | None = None,
     ) -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.fuse_linears = fuse_linears
@@ -316,7 +334,7 @@ class CompiledStep:
 
     def _trace(self) -> TracedStep:
         if self.traced is None:
-            self.traced = TracedStep(self.model, self.kv_caches, self.fuse_linears)
+            self.traced = TracedStep(self.model, self.kv_caches, self.fuse_linears, self.attention_backend)
             self.num_traces += 1
             if self.cache is not None:
                 self.cache.write_record(_STEP_RECORD, {"sources": list(self.traced.convention.sources)})
@@ -384,7 +402,8 @@ class CompiledStep:
         replaces ~40 eager calls per layer. Prefill-sized buckets keep the op, whose chunked
         matmuls suit long queries; other devices keep the op (their kernels come from it).
         """
-        return bucket is not None and self.runtime.kind == "cpu" and bucket <= self.max_num_seqs
+        torch_op = self.attention_backend is None or self.attention_backend.name == "torch"
+        return torch_op and bucket is not None and self.runtime.kind == "cpu" and bucket <= self.max_num_seqs
 
     def _bucket_graph(self, bucket: int | None) -> tuple[fx.GraphModule, bool, bool]:
         """The graph to compile for `bucket`: the traced graph, or a variant sharing its weights

@@ -23,7 +23,14 @@ if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
     os.environ["COMPILED_ENGINE_CACHE_DIR"] = _session_cache
     atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
-from tests.model_factory import make_tiny_model
+import torch  # noqa: E402 - torch does not import triton
+
+# Without CUDA, Triton kernels run under triton's interpreter. triton reads the flag when it is first
+# imported (it jits its own tl.sum/tl.max then), so it must be set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.model_factory import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,9 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # ttft, decode, throughput, startup cold and warm on bench-small, each for ours and HF.
-    assert "10 passed" in proc.stdout, proc.stdout[-2000:]
+    # ttft, decode, throughput, startup cold and warm on bench-small, each for ours and HF; the step
+    # timeline, sync and async loop (ours only).
+    assert "12 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_mixed_requests_are_seeded_and_fit_the_context():
@@ -103,6 +104,10 @@ def test_report_tables_ratios_and_kept_reading(tmp_path):
             _bench("decode", "hf", 4, [1.0], tokens_generated=8, round_tpot_s=[0.05], tpot_median_s=0.05),
             _bench("throughput", "ours", 5, [2.0], tokens_generated=100, prompt_tokens=50),
             _bench("throughput", "hf", 5, [4.0], tokens_generated=100, prompt_tokens=50),
+            _bench("step-timeline", "ours-async", 2, [1.0], tokens_generated=8, round_tokens_per_s=[8.0],
+                   timelines=[{"steps": 4, "schedule_s": 1e-4, "prepare_s": 2e-4, "update_s": 1e-4,
+                               "execute_s": 0.02, "wait_s": 0.019, "step_wall_s": 0.025,
+                               "device_idle": 0.2, "discarded_tokens": 1}]),
         ],
     }  # fmt: skip
     path = tmp_path / "results.json"
@@ -113,6 +118,7 @@ def test_report_tables_ratios_and_kept_reading(tmp_path):
     assert "| 4 | 100.00 (±0.00) | 50.00 (±0.00) | 2.00× | 40 | 80 |" in text  # TPOT and decode tok/s
     assert "| 5 | 50 | 100 | 50 | 25 | 2.00× |" in text  # tokens/s, ours twice HF
     assert "python -m pytest bench --bench-size smoke" in text and "Test CPU" in text
+    assert "| 2 | async | 4 | 0.40 | 20.00 | 19.00 | 25.00 | 20% | 8 | 1 |" in text  # the step timeline
 
     # A hand-written reading survives regeneration.
     out.write_text(text.replace("(No reading written yet for this run.)", "Attention dominates."))

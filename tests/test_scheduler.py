@@ -395,19 +395,20 @@ def test_update_checks_the_runner_output_and_the_step_order():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", prompt_len=3))
     out = scheduler.schedule()
-    with pytest.raises(RuntimeError, match="before update"):
+    with pytest.raises(RuntimeError, match="not yet passed to update"):
         scheduler.schedule()
     with pytest.raises(ValueError, match="expected \\('a',\\)"):
         scheduler.update(out, ModelRunnerOutput(("b",), (1,)))
     with pytest.raises(ValueError, match="with 2 token"):
         scheduler.update(out, ModelRunnerOutput(("a",), (1, 2)))
     scheduler.update(out, ModelRunnerOutput(("a",), (1,)))
-    with pytest.raises(ValueError, match="not the step last scheduled"):
+    with pytest.raises(ValueError, match="not the oldest step in flight"):
         scheduler.update(out, ModelRunnerOutput(("a",), (1,)))
 
 
 @pytest.mark.parametrize(
-    "field", ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"]
+    "field",
+    ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "max_in_flight_steps"],
 )
 def test_config_rejects_non_positive_limits(field):
     fields = dict(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1, num_kv_blocks=1)

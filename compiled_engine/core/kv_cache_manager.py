@@ -65,6 +65,11 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks to the pool (no-op if it holds none)."""
-        block_ids = self._request_blocks.pop(request_id, None)
+        block_ids = self.release(request_id)
         if block_ids:
             self._block_pool.free(block_ids)
+
+    def release(self, request_id: str) -> list[int]:
+        """Forget the request's blocks without returning them to the pool: the caller frees them
+        later (once no step in flight reads them) with `block_pool.free`."""
+        return self._request_blocks.pop(request_id, [])

@@ -12,22 +12,43 @@ Policy, in one place:
   request always makes progress.
 - Waiting requests are admitted only into free blocks (never by preempting), strictly FCFS.
 
-`schedule()` and `update()` alternate: the scheduler needs the tokens sampled in one step to
-feed the next.
+Steps in flight: `schedule()` hands out a step, `update()` applies its result, oldest first. With
+`max_in_flight_steps=2` (the async loop) step N+1 is scheduled before step N is updated:
+- a request that samples in step N owes a token the host does not know yet; step N+1 feeds it as
+  `PLACEHOLDER_TOKEN_ID` and the runner takes the real one from step N's output on the device;
+- a request whose owed tokens bring it to max_tokens (or max_model_len) is not scheduled again:
+  it ends when they land, and no step is spent on it;
+- a request that ends at step N (stop token, EOS, abort, stop string) while step N+1 computes for
+  it has that token discarded (`num_discarded_tokens`);
+- blocks of a request that ends while a step in flight reads them go back to the pool only once
+  that step is updated, so no later step writes into them meanwhile;
+- preemption waits for the steps in flight: a step that would need it comes back empty with
+  `waiting_for_in_flight`, the caller updates the in-flight steps and schedules again.
+With one step in flight (the synchronous loop) none of this arises: `schedule()` and `update()`
+alternate.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.core.kv_cache_manager import KVCacheManager
 from compiled_engine.core.scheduler_config import SchedulerConfig
-from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from compiled_engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from compiled_engine.engine.request import Request, RequestStatus
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class _InFlightStep:
+    output: SchedulerOutput
+    requests: dict[str, Request]
+    # Blocks of requests that ended while this step still read them: freed when it is updated.
+    deferred_blocks: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -38,9 +59,11 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._finished_since_last_schedule: list[str] = []
-        # Requests of the step handed out by schedule() and not yet passed to update().
-        self._in_flight: dict[str, Request] | None = None
-        self.num_preemptions = 0  # over the scheduler's life, for stats and tests
+        # Steps handed out by schedule() and not yet passed to update(), oldest first.
+        self._in_flight: deque[_InFlightStep] = deque()
+        # Over the scheduler's life, for stats and tests:
+        self.num_preemptions = 0
+        self.num_discarded_tokens = 0  # sampled for a request that had already ended
 
     @property
     def config(self) -> SchedulerConfig:
@@ -57,6 +80,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_in_flight_steps(self) -> int:
+        return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -86,16 +113,26 @@ class Scheduler:
             self._finish(request, status)
 
     def cancel_step(self) -> None:
-        """Forget the step handed out by schedule() when running it failed.
+        """Forget the newest step handed out by schedule() when running it failed.
 
         Nothing was advanced for it, so its tokens are simply scheduled again (or the caller
         aborts the requests).
         """
-        self._in_flight = None
+        if not self._in_flight:
+            return
+        step = self._in_flight.pop()
+        for scheduled in step.output.scheduled:
+            request = step.requests[scheduled.request_id]
+            request.num_in_flight_tokens -= len(scheduled.token_ids)
+            request.num_pending_outputs -= scheduled.sample
+        self._release_after_in_flight(step.deferred_blocks)
 
     def schedule(self) -> SchedulerOutput:
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called again before update() consumed the previous step")
+        if len(self._in_flight) >= self._config.max_in_flight_steps:
+            raise RuntimeError(
+                f"schedule() called with {len(self._in_flight)} step(s) not yet passed to update() "
+                f"(max_in_flight_steps={self._config.max_in_flight_steps})"
+            )
         budget = self._config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
@@ -103,14 +140,21 @@ class Scheduler:
         index = 0
         while index < len(self._running) and budget > 0:
             request = self._running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_outputs and self._reaches_length_limit(request):
+                index += 1  # ends by length once its owed tokens land: no step is spent on it
+                continue
+            start = request.num_computed_tokens + request.num_in_flight_tokens
+            num_new_tokens = min(request.num_tokens + request.num_pending_outputs - start, budget)
             if num_new_tokens <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has no token to compute; "
                     "update() was not applied to its last step"
                 )
-            if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
-                break  # it was the newest running request, so nothing follows it
+            if not self._kv_cache_manager.allocate_slots(request.request_id, start + num_new_tokens):
+                if self._in_flight:
+                    return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
+                if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
+                    break  # it was the newest running request, so nothing follows it
             scheduled.append(self._scheduled_request(request, num_new_tokens))
             budget -= num_new_tokens
             index += 1
@@ -132,27 +176,33 @@ class Scheduler:
 
         finished_ids = tuple(self._finished_since_last_schedule)
         self._finished_since_last_schedule.clear()
-        if scheduled:
-            self._in_flight = {s.request_id: self._requests[s.request_id] for s in scheduled}
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled=tuple(scheduled),
             num_batched_tokens=self._config.max_num_batched_tokens - budget,
             preempted_request_ids=tuple(preempted_ids),
             finished_request_ids=finished_ids,
         )
+        if scheduled:
+            requests = {s.request_id: self._requests[s.request_id] for s in scheduled}
+            for s in scheduled:
+                requests[s.request_id].num_in_flight_tokens += len(s.token_ids)
+                requests[s.request_id].num_pending_outputs += s.sample
+            self._in_flight.append(_InFlightStep(output, requests))
+        return output
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply a finished step: advance progress, append sampled tokens, run stop checks.
+        """Apply the oldest step in flight: advance progress, append sampled tokens, run stop checks.
 
-        Returns one record per request that got a token. Requests finished from outside while
-        the step ran (abort, stop string) are skipped, their sampled token dropped.
+        Returns one record per request that got a token. Requests that ended while the step ran
+        (abort, stop string, a stop in the step before) are skipped, their sampled token dropped.
         """
-        in_flight = self._in_flight or {}
-        scheduled_ids = {s.request_id for s in scheduler_output.scheduled}
-        if scheduled_ids != in_flight.keys():
-            raise ValueError("update() got a SchedulerOutput that is not the step last scheduled")
+        step = self._in_flight[0] if self._in_flight else None
+        if scheduler_output.is_empty and step is None:
+            return []  # an empty step was never in flight
+        if step is None or step.output is not scheduler_output:
+            raise ValueError("update() got a SchedulerOutput that is not the oldest step in flight")
         sampling_ids = tuple(s.request_id for s in scheduler_output.scheduled if s.sample)
         if tuple(runner_output.request_ids) != sampling_ids or len(runner_output.sampled_token_ids) != len(
             sampling_ids
@@ -162,16 +212,20 @@ class Scheduler:
                 f"expected {sampling_ids}, got {tuple(runner_output.request_ids)} with "
                 f"{len(runner_output.sampled_token_ids)} token(s)"
             )
-        self._in_flight = None
+        self._in_flight.popleft()
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
 
         outputs: list[EngineCoreOutput] = []
         finished_any = False
         for scheduled_request in scheduler_output.scheduled:
-            request = in_flight[scheduled_request.request_id]
+            request = step.requests[scheduled_request.request_id]
+            num_tokens = len(scheduled_request.token_ids)
+            request.num_in_flight_tokens -= num_tokens
+            request.num_pending_outputs -= scheduled_request.sample
             if request.status.finished:
+                self.num_discarded_tokens += scheduled_request.sample
                 continue
-            request.num_computed_tokens += len(scheduled_request.token_ids)
+            request.num_computed_tokens += num_tokens
             if not scheduled_request.sample:
                 continue
             token_id = sampled[request.request_id]
@@ -190,9 +244,18 @@ class Scheduler:
                     stop_reason=stop_reason,
                 )
             )
+        self._kv_cache_manager.block_pool.free(step.deferred_blocks)
         if finished_any:
             self._running = [r for r in self._running if not r.status.finished]
         return outputs
+
+    def _reaches_length_limit(self, request: Request) -> bool:
+        """Whether the tokens it is owed already take it to max_tokens or max_model_len."""
+        num_outputs = len(request.output_token_ids) + request.num_pending_outputs
+        return (
+            num_outputs >= request.sampling_params.max_tokens
+            or request.num_tokens + request.num_pending_outputs >= self._config.max_model_len
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted_ids: list[str]) -> bool:
         """Get blocks for `request`'s next tokens, preempting the newest running requests as
@@ -215,23 +278,40 @@ class Scheduler:
         self._waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished and free its blocks; the caller removes it from waiting/running."""
+        """Mark finished and free its blocks (once no step in flight reads them); the caller
+        removes it from waiting/running."""
         request.status = status
-        self._kv_cache_manager.free(request.request_id)
+        blocks = self._kv_cache_manager.release(request.request_id)
+        readers = [step for step in self._in_flight if request.request_id in step.requests]
+        if readers:
+            readers[-1].deferred_blocks.extend(blocks)
+        else:
+            self._kv_cache_manager.block_pool.free(blocks)
         del self._requests[request.request_id]
         self._finished_since_last_schedule.append(request.request_id)
 
+    def _release_after_in_flight(self, blocks: list[int]) -> None:
+        """Blocks a cancelled step held back: the step before it (if any) still reads them."""
+        if self._in_flight:
+            self._in_flight[-1].deferred_blocks.extend(blocks)
+        else:
+            self._kv_cache_manager.block_pool.free(blocks)
+
     def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new_tokens
+        known = request.num_tokens
+        token_ids = _token_range(request, start, min(end, known))
+        if end > known:  # tokens steps in flight are sampling right now
+            token_ids += (PLACEHOLDER_TOKEN_ID,) * (end - max(start, known))
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=_token_range(request, start, end),
+            token_ids=token_ids,
             start_position=start,
             block_ids=self._kv_cache_manager.get_block_ids(request.request_id),
-            sample=end == request.num_tokens,
+            sample=end == known + request.num_pending_outputs,
             sampling_params=request.sampling_params,
-            num_output_tokens=len(request.output_token_ids),
+            num_output_tokens=len(request.output_token_ids) + request.num_pending_outputs,
         )
 
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:

@@ -15,6 +15,9 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int = 16
     num_kv_blocks: int
+    # Steps that may be scheduled before the oldest one is updated: 1 for the synchronous loop,
+    # 2 for the async loop (step N+1 is scheduled while step N runs).
+    max_in_flight_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -23,6 +26,7 @@ class SchedulerConfig:
             "max_model_len",
             "block_size",
             "num_kv_blocks",
+            "max_in_flight_steps",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -6,11 +6,15 @@ from typing import NamedTuple
 
 from compiled_engine.sampling_params import SamplingParams
 
+# Stands for a token the previous step samples on the device and the host does not know yet
+# (async loop): the runner feeds that step's sampled token in its place.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class ScheduledRequest(NamedTuple):
     request_id: str
     # Tokens fed this step: a chunk of the prompt (or of prompt+outputs after a preemption),
-    # or the one token sampled last step.
+    # or the one token sampled last step (PLACEHOLDER_TOKEN_ID while that step is in flight).
     token_ids: tuple[int, ...]
     # Position of token_ids[0] in the sequence == tokens already in the KV cache.
     start_position: int
@@ -30,6 +34,10 @@ class SchedulerOutput(NamedTuple):
     # state for finished ones; preempted ones keep their sampler state (they resume).
     preempted_request_ids: tuple[str, ...]
     finished_request_ids: tuple[str, ...]
+    # Empty step because a request needs blocks that only preemption could give, and preempting
+    # must wait until no step in flight reads the victim's blocks: update the in-flight steps,
+    # then schedule again.
+    waiting_for_in_flight: bool = False
 
     @property
     def is_empty(self) -> bool:

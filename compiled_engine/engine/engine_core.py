@@ -1,18 +1,43 @@
-"""The step loop: schedule → execute → update. Knows nothing of text."""
+"""The step loop: schedule → launch → collect → update. Knows nothing of text.
+
+Synchronous: each `step()` runs one step to completion. Async (`async_scheduling=True`): `step()`
+schedules and launches step N+1 first, then collects and updates step N, so the host's work on
+step N's results (and on the step after) overlaps step N+1 on the device. Its first call returns
+no outputs (nothing has finished yet) and the loop ends by collecting the last step in flight;
+`has_unfinished_requests()` stays true until then.
+"""
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
+
 from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.core.scheduler import Scheduler
+from compiled_engine.core.scheduler_output import SchedulerOutput
 from compiled_engine.engine.request import Request, RequestStatus
-from compiled_engine.worker.model_runner import ModelRunner
-from compiled_engine.worker.runner_output import ModelRunnerOutput
+from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
+
+
+@dataclass
+class CoreTimeline:
+    """Host seconds per phase over the core's life (the runner keeps the device side)."""
+
+    schedule_s: float = 0.0
+    update_s: float = 0.0
+    step_wall_s: float = 0.0  # inside step(), all phases
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, async_scheduling: bool = False) -> None:
+        if async_scheduling and scheduler.config.max_in_flight_steps < 2:
+            raise ValueError("async scheduling needs a scheduler with max_in_flight_steps >= 2")
         self.scheduler = scheduler
         self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._launched: deque[LaunchedStep] = deque()
+        self.timeline = CoreTimeline()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -25,18 +50,73 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._launched)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduled = self.scheduler.schedule()
+        started = time.perf_counter()
+        try:
+            return self._step_async() if self.async_scheduling else self._step_sync()
+        finally:
+            self.timeline.step_wall_s += time.perf_counter() - started
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Collect and apply every step in flight."""
+        outputs: list[EngineCoreOutput] = []
+        while self._launched:
+            outputs += self._finish_oldest()
+        return outputs
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
+        scheduled = self._schedule()
         if scheduled.is_empty:
-            # Nothing to run, but update() still consumes the step (the scheduler insists that
-            # schedule and update alternate).
-            runner_output = ModelRunnerOutput(request_ids=(), sampled_token_ids=())
-        else:
-            try:
-                runner_output = self.runner.execute(scheduled)
-            except BaseException:
-                self.scheduler.cancel_step()
-                raise
-        return self.scheduler.update(scheduled, runner_output)
+            return []
+        self._launch(scheduled)
+        return self._finish_oldest()
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        scheduled = self._schedule()
+        if scheduled.waiting_for_in_flight:
+            # Preemption needs blocks a step in flight still reads: let it finish first.
+            outputs = self._finish_oldest()
+            scheduled = self._schedule()
+        if not scheduled.is_empty:
+            self._launch(scheduled)
+        if not outputs and (len(self._launched) > 1 or (scheduled.is_empty and self._launched)):
+            outputs = self._finish_oldest()
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        self.timeline.schedule_s += time.perf_counter() - started
+        return scheduled
+
+    def _launch(self, scheduled: SchedulerOutput) -> None:
+        try:
+            self._launched.append(self.runner.launch(scheduled))
+        except BaseException:
+            self.scheduler.cancel_step()
+            if self._launched:  # the step before may have failed on the worker: start clean
+                self._cancel_all()
+            raise
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        launched = self._launched[0]
+        try:
+            runner_output = self.runner.collect(launched)
+        except BaseException:
+            self._cancel_all()
+            raise
+        self._launched.popleft()
+        started = time.perf_counter()
+        outputs = self.scheduler.update(launched.step, runner_output)
+        self.timeline.update_s += time.perf_counter() - started
+        return outputs
+
+    def _cancel_all(self) -> None:
+        """A step failed: forget every step in flight (newest first); their tokens run again."""
+        for _ in self._launched:
+            self.scheduler.cancel_step()
+        self._launched.clear()
+        self.runner.reset_after_failure()

@@ -14,16 +14,23 @@ from compiled_engine.engine.engine_core import EngineCore
 from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt
 from compiled_engine.engine.output_processor import OutputProcessor
 from compiled_engine.engine.request import Request
+from compiled_engine.engine.stats import EngineStats
 from compiled_engine.errors import InvalidRequestError
+from compiled_engine.graphs.inductor_warmup import finish_cpu_probes, start_cpu_probes
 from compiled_engine.model_loader.loader import LoadedModel, load_model
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker import kv_cache
-from compiled_engine.worker.model_runner import ModelRunner
+from compiled_engine.worker.model_runner import ModelRunner, RunnerTimeline
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+# `async_scheduling=None` picks per device. CUDA: the host prepares step N+1 while the GPU runs
+# step N. CPU: off — the model and the host share the same two cores and the GIL, and the bench
+# (docs/performance.md, "Async loop") measured the worker-thread loop slower than the synchronous one.
+ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
 
 
 def _positive_int(name: str, value) -> int:
@@ -62,6 +69,8 @@ class LLMEngine:
         compile_buckets: Sequence[int] | None = None,
         fuse_linears: bool = True,
         cache_dir: str | None = None,
+        async_scheduling: bool | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         dev = (
             torch.device(device)
@@ -70,6 +79,12 @@ class LLMEngine:
         )
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("block_size", block_size)
+        if async_scheduling is None:
+            async_scheduling = ASYNC_SCHEDULING_DEFAULT.get(dev.type, False)
+        elif not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None, True or False, got {async_scheduling!r}")
+        # Inductor's CPU probes run while the model loads (graphs/inductor_warmup.py).
+        cpu_probes = None if enforce_eager else start_cpu_probes(dev)
         loaded: LoadedModel = load_model(model, dtype=dtype, device=dev)
         mc = loaded.model_config
         limit = mc.max_position_embeddings
@@ -94,6 +109,7 @@ class LLMEngine:
             )
 
         def build_runner(caches: list[torch.Tensor]) -> ModelRunner:
+            finish_cpu_probes(cpu_probes)
             runner = ModelRunner(
                 loaded.model,
                 caches,
@@ -107,6 +123,8 @@ class LLMEngine:
                 compile_buckets=compile_buckets,
                 fuse_linears=fuse_linears,
                 cache_dir=cache_dir,
+                async_scheduling=async_scheduling,
+                attention_backend=attention_backend,
             )
             runner.warm_up()
             return runner
@@ -183,9 +201,11 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
+                max_in_flight_steps=2 if async_scheduling else 1,
             )
         )
-        self.core = EngineCore(scheduler, runner)
+        runner.timeline = RunnerTimeline()  # start-up steps are not part of serving's timeline
+        self.core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
         self.input_processor = InputProcessor(self.tokenizer, mc, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
@@ -197,6 +217,29 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.core.scheduler.num_preemptions
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.core.async_scheduling
+
+    def stats(self) -> EngineStats:
+        scheduler, core, runner = self.core.scheduler, self.core.timeline, self.core.runner.timeline
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_kv_blocks=self.config.num_kv_blocks,
+            num_free_kv_blocks=self.num_free_kv_blocks(),
+            num_preemptions=scheduler.num_preemptions,
+            num_discarded_tokens=scheduler.num_discarded_tokens,
+            async_scheduling=self.core.async_scheduling,
+            num_steps=runner.num_steps,
+            schedule_s=core.schedule_s,
+            prepare_s=runner.prepare_s,
+            execute_s=runner.execute_s,
+            wait_s=runner.wait_s,
+            update_s=core.update_s,
+            step_wall_s=core.step_wall_s,
+        )
 
     def num_free_kv_blocks(self) -> int:
         return self.core.scheduler.kv_cache_manager.num_free_blocks
@@ -227,6 +270,11 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
         self.output_processor.abort(request_ids)
+
+    def drain(self) -> None:
+        """Finish every step in flight (their blocks return to the pool), dropping their outputs:
+        for a caller that aborted everything it had queued."""
+        self.core.drain()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -45,6 +45,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose k/v are in the cache. Reset to 0 when the request is preempted (recompute).
     num_computed_tokens: int = 0
+    # Scheduled in steps not yet updated: their tokens are being computed, and each of those steps
+    # that samples for the request owes it one output token not known on the host yet.
+    num_in_flight_tokens: int = 0
+    num_pending_outputs: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -33,6 +33,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-fuse-linears", action="store_true", help="keep q/k/v and gate/up as separate GEMMs"
     )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "flashinfer"],
+        help="paged-attention kernels (default auto: triton on CUDA when installed, else torch)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="prepare the next step while the current one runs (auto: on for CUDA, off for CPU)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
 
 
@@ -80,6 +92,8 @@ def _llm(args: argparse.Namespace, **extra):
         compile_buckets=args.buckets,
         cache_dir=args.cache_dir,
         fuse_linears=not args.no_fuse_linears,
+        attention_backend=args.attention_backend,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         **extra,
     )
 
@@ -115,12 +129,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from compiled_engine.errors import UnsupportedModelError
+    from compiled_engine.kernels.backends import AttentionBackendUnavailableError
 
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     try:
         return _warmup(args) if args.command == "warmup" else _generate(args)
-    except (ValueError, UnsupportedModelError) as exc:
+    except (ValueError, UnsupportedModelError, AttentionBackendUnavailableError) as exc:
         # Errors users can fix (bad folder, bad parameter) print one clear line, no traceback.
         print(f"compiled-engine: error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 
 from compiled_engine.default_model_path import default_model_dir
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.stats import EngineStats
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
 
@@ -30,6 +32,8 @@ class LLM:
         compile_buckets: Sequence[int] | None = None,
         fuse_linears: bool = True,
         cache_dir: str | None = None,
+        async_scheduling: bool | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
         `compile_buckets` overrides the token-count buckets compiled otherwise
@@ -37,7 +41,12 @@ class LLM:
         and gate/up as one GEMM each (graphs/passes/fuse_linears.py; ignored when eager);
         `cache_dir` is the on-disk compile cache (default: COMPILED_ENGINE_CACHE_DIR, else
         ~/.cache/compiled_engine; graphs/compile_cache.py): a start whose options match an
-        earlier one loads its compiled graphs instead of tracing and compiling again."""
+        earlier one loads its compiled graphs instead of tracing and compiling again;
+        `async_scheduling` overlaps the host's scheduling and input preparation for the next step
+        with the current one (None: the best default for the device — on for CUDA, off for CPU);
+        `attention_backend` picks the paged-attention kernels: "auto" (CUDA: triton when installed,
+        else torch; CPU: torch), "torch", "triton" (on CPU only under TRITON_INTERPRET=1, for
+        tests) or "flashinfer" (kernels/backends.py)."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
@@ -56,10 +65,15 @@ class LLM:
             compile_buckets=compile_buckets,
             fuse_linears=fuse_linears,
             cache_dir=cache_dir,
+            async_scheduling=async_scheduling,
+            attention_backend=attention_backend,
         )
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def generate(
         self,
@@ -82,6 +96,10 @@ class LLM:
             finals = self._run_to_completion(len(ids), use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
+            # Steps still in flight hold the aborted requests' blocks. A failure here is a
+            # consequence of the one being raised, which is the one to report.
+            with contextlib.suppress(Exception):
+                self.engine.drain()
             raise
         return [finals[rid] for rid in ids]
 

@@ -1,7 +1,9 @@
-"""Persistent step-input buffers owned by the model runner.
+"""Persistent step-input buffers owned by the model runner, on the device.
 
-Every step writes its flat inputs into the front of these tensors and hands the graph views of
-them, so the graph always reads the same storage (the CUDA-graph issue replays these addresses).
+Every step's flat inputs are copied from a host staging slot (worker/staging.py) into the front of
+these tensors, and the graph gets views of them, so it always reads the same storage (captured
+CUDA graphs replay these addresses). The copies are queued on the stream the step runs on, so
+step N+1's copy cannot overwrite what step N still reads.
 """
 
 from __future__ import annotations
@@ -9,11 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from compiled_engine.core.scheduler_output import SchedulerOutput
+from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.worker.staging import StagedStep, StagingSlot
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,16 @@ class PreparedStep:
     inputs: StepInputs
     # Scheduling-order indices of the requests whose last token is sampled this step.
     sampled_rows: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceSamplingParams:
+    """This step's per-row sampling settings: views of the persistent device buffers."""
+
+    temperature: torch.Tensor  # [K] float32
+    top_k: torch.Tensor  # [K] int64
+    top_p: torch.Tensor  # [K] float32
+    greedy: torch.Tensor  # [K] bool
 
 
 class InputBuffers:
@@ -34,6 +47,8 @@ class InputBuffers:
     ) -> None:
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.device = device
+        self._slot_shape = (max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
         t, s = max_num_batched_tokens, max_num_seqs
 
         def buf(*shape, dtype):
@@ -46,6 +61,17 @@ class InputBuffers:
         self.seq_lens = buf(s, dtype=torch.int32)
         self.query_start_loc = buf(s + 1, dtype=torch.int32)
         self.logits_indices = buf(s, dtype=torch.int64)
+        self.temperature = buf(s, dtype=torch.float32)
+        self.top_k = buf(s, dtype=torch.int64)
+        self.top_p = buf(s, dtype=torch.float32)
+        self.greedy = buf(s, dtype=torch.bool)
+        self.placeholder_rows = buf(s, dtype=torch.int64)
+        self.placeholder_sources = buf(s, dtype=torch.int64)
+        self._own_slot: StagingSlot | None = None
+
+    def new_slot(self, consumed: Event | None = None) -> StagingSlot:
+        """A host staging slot shaped like these buffers."""
+        return StagingSlot(*self._slot_shape, self.device, consumed)
 
     def whole(self) -> StepInputs:
         """The whole persistent tensors: the room a compiled step pads into behind each step's views."""
@@ -60,45 +86,54 @@ class InputBuffers:
         )
 
     def prepare(self, step: SchedulerOutput) -> PreparedStep:
-        """Fill the buffers from the scheduler's record; return views sized to this step."""
-        reqs = step.scheduled
-        num_seqs = len(reqs)
-        q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((r.start_position for r in reqs), dtype=np.int64, count=num_seqs)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        """Stage the step and load it at once (the synchronous path); return views sized to it."""
+        if self._own_slot is None:
+            self._own_slot = self.new_slot()
+        staged = self._own_slot.fill(step)
+        return PreparedStep(self.load(self._own_slot, staged), staged.sampled_rows)
 
-        token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
-        # Position of every token: its request's start plus its offset inside the chunk.
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        positions = starts[seq_of_token] + (np.arange(num_tokens) - query_start_loc[:-1][seq_of_token])
-
-        width = max(len(r.block_ids) for r in reqs)
-        table = np.zeros((num_seqs, width), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = r.block_ids
-        bs = self.block_size
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
-
-        sampled_rows = tuple(i for i, r in enumerate(reqs) if r.sample)
-        logits_indices = query_start_loc[1:][list(sampled_rows)] - 1
-
-        n, s, k = num_tokens, num_seqs, len(sampled_rows)
-        self.input_ids[0, :n].copy_(torch.from_numpy(token_ids))
-        self.positions[0, :n].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:n].copy_(torch.from_numpy(slots))
-        self.block_tables[:s, :width].copy_(torch.from_numpy(table))
-        self.seq_lens[:s].copy_(torch.from_numpy(starts + q_lens))
-        self.query_start_loc[: s + 1].copy_(torch.from_numpy(query_start_loc))
-        self.logits_indices[:k].copy_(torch.from_numpy(np.asarray(logits_indices, dtype=np.int64)))
-        inputs = StepInputs(
+    def load(
+        self, slot: StagingSlot, staged: StagedStep, previous_samples: torch.Tensor | None = None
+    ) -> StepInputs:
+        """Copy a staged step into the persistent buffers (queued on the current stream) and
+        return views sized to it. Placeholder tokens are taken from `previous_samples`, the
+        previous step's sampled tokens, without a trip through the host."""
+        n, s, w, k, m = (
+            staged.num_tokens,
+            staged.num_seqs,
+            staged.width,
+            len(staged.sampled_rows),
+            staged.num_placeholders,
+        )
+        self.input_ids[0, :n].copy_(slot.input_ids[:n], non_blocking=True)
+        self.positions[0, :n].copy_(slot.positions[:n], non_blocking=True)
+        self.slot_mapping[:n].copy_(slot.slot_mapping[:n], non_blocking=True)
+        self.block_tables[:s, :w].copy_(slot.block_tables[:s, :w], non_blocking=True)
+        self.seq_lens[:s].copy_(slot.seq_lens[:s], non_blocking=True)
+        self.query_start_loc[: s + 1].copy_(slot.query_start_loc[: s + 1], non_blocking=True)
+        self.logits_indices[:k].copy_(slot.logits_indices[:k], non_blocking=True)
+        self.temperature[:k].copy_(slot.temperature[:k], non_blocking=True)
+        self.top_k[:k].copy_(slot.top_k[:k], non_blocking=True)
+        self.top_p[:k].copy_(slot.top_p[:k], non_blocking=True)
+        self.greedy[:k].copy_(slot.greedy[:k], non_blocking=True)
+        if m:
+            if previous_samples is None:
+                raise ValueError("the step has placeholder tokens but no previous samples were given")
+            rows = self.placeholder_rows[:m].copy_(slot.placeholder_rows[:m], non_blocking=True)
+            sources = self.placeholder_sources[:m].copy_(slot.placeholder_sources[:m], non_blocking=True)
+            self.input_ids[0].index_copy_(0, rows, previous_samples.index_select(0, sources))
+        return StepInputs(
             input_ids=self.input_ids[:, :n],
             positions=self.positions[:, :n],
             slot_mapping=self.slot_mapping[:n],
-            block_tables=self.block_tables[:s, :width],
+            block_tables=self.block_tables[:s, :w],
             seq_lens=self.seq_lens[:s],
             query_start_loc=self.query_start_loc[: s + 1],
             logits_indices=self.logits_indices[:k],
         )
-        return PreparedStep(inputs=inputs, sampled_rows=sampled_rows)
+
+    def sampling_params(self, num_rows: int) -> DeviceSamplingParams:
+        """Views of the sampling buffers for the step just loaded."""
+        return DeviceSamplingParams(
+            self.temperature[:num_rows], self.top_k[:num_rows], self.top_p[:num_rows], self.greedy[:num_rows]
+        )

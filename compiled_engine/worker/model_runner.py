@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +22,15 @@ from compiled_engine.graphs.compiled_step import (
     CompiledStep,
     step_component_versions,
 )
+from compiled_engine.graphs.device import Event, runtime_for
 from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.kernels.backends import resolve_attention_backend
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.runner_output import ModelRunnerOutput
 from compiled_engine.worker.sampler import Sampler, SamplingTensors
+from compiled_engine.worker.staging import StagingSlot
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,36 @@ def seeded_generator(seed: int, num_output_tokens: int, device: torch.device) ->
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + num_output_tokens) % (1 << 63))
     return gen
+
+
+class _Samples:
+    """A step's sampled tokens on the device, filled in when its work runs (maybe on the worker):
+    the next step's placeholders read them there."""
+
+    tokens: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step whose work is queued on the execution stream; `collect` turns it into results."""
+
+    step: SchedulerOutput
+    sampled_request_ids: tuple[str, ...]
+    slot: StagingSlot
+    done: Event
+    samples: _Samples
+    # Every KV block the step reads or writes (for the checks that nothing reuses them early).
+    block_ids: frozenset[int]
+
+
+@dataclass
+class RunnerTimeline:
+    """Seconds spent per phase over the runner's life (the async loop's step timeline)."""
+
+    num_steps: int = 0
+    prepare_s: float = 0.0  # host: staging a step (numpy, copies into the slot, generators)
+    execute_s: float = 0.0  # the step's work: input copy, graph, sampling (on CUDA: launching it)
+    wait_s: float = 0.0  # host blocked waiting for a step's tokens
 
 
 class ModelRunner:
@@ -54,8 +92,12 @@ class ModelRunner:
         compile_buckets: Sequence[int] | None = None,
         fuse_linears: bool = True,
         cache_dir: str | None = None,
+        async_scheduling: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         self.device = device
+        # Resolved first: an unavailable backend is a clear error before anything is built.
+        self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.kv_caches = kv_caches
         buffer_seqs, buffer_len = max_num_seqs, max_model_len
         if not enforce_eager:
@@ -72,7 +114,9 @@ class ModelRunner:
         self.compiled_step: CompiledStep | None = None
         self.run_graph: Callable[[StepInputs], torch.Tensor]
         if enforce_eager:
-            self.captured = self.run_graph = capture_model(model, kv_caches)
+            self.captured = self.run_graph = capture_model(
+                model, kv_caches, attention_backend=self.attention_backend
+            )
         else:
             buckets = (
                 compile_buckets
@@ -91,9 +135,10 @@ class ModelRunner:
                 # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
                 kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
                 fuse_linears=fuse_linears,
-                attention_backend="torch",
+                attention_backend=self.attention_backend.name,
             )
-            manifest = build_manifest(model, options, device, step_component_versions(fuse_linears))
+            versions = step_component_versions(fuse_linears, self.attention_backend)
+            manifest = build_manifest(model, options, device, versions)
             self.cache_entry = cache.entry(manifest)
             if not self.cache_entry.exists():
                 logger.info("%s", self.cache_entry.explain_miss())
@@ -104,12 +149,24 @@ class ModelRunner:
                 buckets,
                 fuse_linears=fuse_linears,
                 cache=self.cache_entry,
+                attention_backend=self.attention_backend,
             )
             self.run_graph = self.compiled_step
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # Steps run on an execution stream (worker/execution_stream.py): inline for the
+        # synchronous loop, a CPU worker or a CUDA stream for the async one. Two staging slots
+        # let the host fill step N+1's while step N still reads its own.
+        runtime = self.compiled_step.runtime if self.compiled_step is not None else runtime_for(device)
+        self.stream = stream_for(runtime, async_scheduling)
+        weakref.finalize(self, self.stream.close)  # the CPU worker thread ends with the runner
+        self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(2)]
+        self._num_launches = 0
+        self._previous: LaunchedStep | None = None
+        self._in_flight: deque[LaunchedStep] = deque()
+        self.timeline = RunnerTimeline()
 
     @property
     def supports_graphs(self) -> bool:
@@ -167,23 +224,98 @@ class ModelRunner:
         )
         self.execute(SchedulerOutput(dummy, sum(lengths), (), ()))
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        prepared = self.buffers.prepare(step)
-        logits = self.run_graph(prepared.inputs)
-        if not prepared.sampled_rows:
-            return ModelRunnerOutput(request_ids=(), sampled_token_ids=())
-        sampled = [step.scheduled[i] for i in prepared.sampled_rows]
-        generators = [
-            seeded_generator(r.sampling_params.seed, r.num_output_tokens, self.device)
-            if r.sampling_params.seed is not None
-            else None
-            for r in sampled
-        ]
-        tensors = SamplingTensors.build(
-            [r.sampling_params for r in sampled], generators, self.device, default_generator=self.generator
+        """Run one step to completion (the synchronous loop and start-up)."""
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        """Stage the step and queue its work; returns at once when the stream is asynchronous.
+
+        Placeholder tokens in the step are the previous launch's samples, read on the device.
+        """
+        slot = self._slots[self._num_launches % 2]
+        slot.consumed.synchronize()  # the step that used this slot has copied it out
+        started = time.perf_counter()
+        previous = self._previous
+        staged = slot.fill(step, previous and _sample_index(previous))
+        sampled = [step.scheduled[i] for i in staged.sampled_rows]
+        generators = tuple(self._generator_for(r) for r in sampled)
+        samples = _Samples()
+        previous_samples = previous.samples if previous is not None else None
+        self.timeline.prepare_s += time.perf_counter() - started
+
+        def work() -> None:
+            began = time.perf_counter()
+            inputs = self.buffers.load(slot, staged, previous_samples and previous_samples.tokens)
+            logits = self.run_graph(inputs)
+            if sampled:
+                device_params = self.buffers.sampling_params(len(sampled))
+                tensors = SamplingTensors(
+                    temperature=device_params.temperature,
+                    top_k=device_params.top_k,
+                    top_p=device_params.top_p,
+                    greedy=device_params.greedy,
+                    generators=generators,
+                    default_generator=self.generator,
+                    all_greedy=staged.all_greedy,
+                    needs_top_k=staged.needs_top_k,
+                    needs_top_p=staged.needs_top_p,
+                )
+                samples.tokens = self.sampler(logits, tensors)
+                slot.sampled_tokens[: len(sampled)].copy_(samples.tokens, non_blocking=True)
+            self.timeline.execute_s += time.perf_counter() - began
+
+        self.stream.submit(work)
+        self.stream.record(slot.consumed)
+        done = self.stream.new_event()
+        self.stream.record(done)
+        self._num_launches += 1
+        self.timeline.num_steps += 1
+        launched = LaunchedStep(
+            step=step,
+            sampled_request_ids=tuple(r.request_id for r in sampled),
+            slot=slot,
+            done=done,
+            samples=samples,
+            block_ids=frozenset(b for r in step.scheduled for b in r.block_ids),
         )
-        token_ids = self.sampler(logits, tensors).tolist()
-        return ModelRunnerOutput(
-            request_ids=tuple(r.request_id for r in sampled), sampled_token_ids=tuple(token_ids)
-        )
+        self._previous = launched
+        self._in_flight.append(launched)
+        return launched
+
+    def _generator_for(self, request: ScheduledRequest) -> torch.Generator | None:
+        """A seeded sampling row's own generator; None for greedy rows and for the shared stream."""
+        params = request.sampling_params
+        if params.greedy or params.seed is None:
+            return None
+        return seeded_generator(params.seed, request.num_output_tokens, self.device)
+
+    def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step (the oldest not yet collected) and return its tokens."""
+        if not self._in_flight or self._in_flight[0] is not launched:
+            raise ValueError("collect() takes the oldest launched step that was not collected yet")
+        started = time.perf_counter()
+        launched.done.synchronize()
+        self.timeline.wait_s += time.perf_counter() - started
+        self._in_flight.popleft()
+        num_sampled = len(launched.sampled_request_ids)
+        tokens = launched.slot.sampled_tokens[:num_sampled].tolist() if num_sampled else []
+        return ModelRunnerOutput(request_ids=launched.sampled_request_ids, sampled_token_ids=tuple(tokens))
+
+    def blocks_in_flight(self) -> frozenset[int]:
+        """KV blocks read or written by steps launched and not yet collected."""
+        return frozenset().union(*(launched.block_ids for launched in self._in_flight))
+
+    def reset_after_failure(self) -> None:
+        """Forget every launched step after one failed, so the engine can run new steps."""
+        self.stream.reset()
+        self._in_flight.clear()
+        self._previous = None
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def _sample_index(launched: LaunchedStep) -> dict[str, int]:
+    return {request_id: row for row, request_id in enumerate(launched.sampled_request_ids)}

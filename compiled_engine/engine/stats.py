@@ -1,0 +1,32 @@
+"""`EngineStats`: what `LLM.stats()` reports — load, KV cache, waste and the step timeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions: int
+    # Tokens sampled for a request that had already ended (async loop: the step after a stop).
+    num_discarded_tokens: int
+    async_scheduling: bool
+    # Step timeline, seconds summed over the engine's life:
+    num_steps: int
+    schedule_s: float  # host: scheduler.schedule()
+    prepare_s: float  # host: staging inputs for the device
+    execute_s: float  # the steps' work (CPU: compute; CUDA: the host's launch of it)
+    wait_s: float  # host blocked on a step's sampled tokens
+    update_s: float  # host: applying sampled tokens (appends, stop checks, frees)
+    step_wall_s: float  # wall time inside the engine core's step()
+
+    @property
+    def device_idle_fraction(self) -> float:
+        """Share of the loop's wall time the device had no step to run (CPU execution only)."""
+        if self.step_wall_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.execute_s / self.step_wall_s)

@@ -1,0 +1,73 @@
+"""The engine with attention_backend="triton" (kernels under triton's interpreter on CPU) gives
+Hugging Face's own greedy tokens on a tiny model, compiled and eager, and an unavailable backend
+is a clear error at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.kernels.backends import AttentionBackendUnavailableError
+
+triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 12], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
+MAX_TOKENS = 6
+
+
+def _hf_greedy(model_dir: str) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(llama_dir):
+    return _hf_greedy(llama_dir)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_triton_backend_matches_hf_greedy(llama_dir, hf_tokens, enforce_eager, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    llm = LLM(
+        llama_dir,
+        dtype="float32",
+        attention_backend="triton",
+        enforce_eager=enforce_eager,
+        max_model_len=64,
+        max_num_seqs=4,
+        block_size=4,
+        num_kv_blocks=32,
+        compile_buckets=(4, 16),
+    )
+    runner = llm.engine.core.runner
+    assert runner.attention_backend.name == "triton"
+    pass_log = runner.captured.pass_log if enforce_eager else runner.compiled_step.traced.pass_log
+    # Every graph's attention calls (2 layers) now run the Triton op.
+    assert [r.result("select_attention_backend").nodes_rewritten for r in pass_log] == [2] * len(pass_log)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_tokens
+
+
+def test_unavailable_backend_fails_at_start_up_with_a_clear_error(llama_dir, monkeypatch):
+    with pytest.raises(ValueError, match="unknown attention_backend 'fast'"):
+        LLM(llama_dir, attention_backend="fast", enforce_eager=True)
+    with pytest.raises(AttentionBackendUnavailableError, match="flashinfer"):
+        LLM(llama_dir, attention_backend="flashinfer", enforce_eager=True)
