@@ -208,19 +208,54 @@ def environment_section(device: torch.device) -> Callable[[Report], None]:
     return run
 
 
-def backends_section(report: Report) -> None:
-    # Stated, not probed: none of these backends exists in the engine yet, so there is nothing to run.
-    from compiled_engine import kernels
+def backends_section(device: torch.device, quick: bool) -> Callable[[Report], None]:
+    """Each attention backend (kernels/backends.py) against the reference op (bench/gpu_attention.py)."""
 
-    present = sorted(p.name for p in Path(kernels.__file__).parent.glob("*.py"))
-    report.line(
-        "- CUDA graphs (decode bucket capture): the compiled engine captures one per decode bucket "
-        "(graphs/decode_graphs.py on graphs/device.py); the device layer is checked standalone below, "
-        "the engine's graphs by the compiled parity cases and the timings (with and without graphs)"
-    )
-    report.line("- Triton paged-attention kernel: not built yet")
-    report.line("- FlashInfer attention backend: not built yet")
-    report.line(f"- kernels/ in this checkout: {', '.join(present)}")
+    def run(report: Report) -> None:
+        from bench import gpu_attention
+
+        for name, version in gpu_attention.available_backends(device).items():
+            report.line(f"- {name}: {version}")
+        report.line(
+            "- CUDA graphs (decode bucket capture): one per decode bucket (graphs/decode_graphs.py on "
+            "graphs/device.py); checked standalone below and by the compiled parity cases and timings"
+        )
+        report.line("")
+        cases = gpu_attention.QUICK_PARITY_CASES if quick else gpu_attention.PARITY_CASES
+        shape = gpu_attention.SMALL_SHAPE if quick or device.type != "cuda" else gpu_attention.GPU_SHAPE
+        lines, failures = gpu_attention.parity_lines(device, shape, cases)
+        for line in lines:
+            report.line(line)
+        if failures:
+            raise AssertionError(f"attention backends differ from the reference: {failures}")
+
+    return run
+
+
+def attention_timing_section(device: torch.device, quick: bool) -> Callable[[Report], None]:
+    """Decode attention per backend, batch x context, with achieved bandwidth (bench/gpu_attention.py)."""
+
+    def run(report: Report) -> None:
+        from bench import gpu_attention
+
+        if device.type == "cuda" and not quick:
+            shape, batches, contexts = (
+                gpu_attention.GPU_SHAPE,
+                gpu_attention.GPU_BATCHES,
+                gpu_attention.GPU_CONTEXTS,
+            )
+            dtype, bandwidth, calls = torch.bfloat16, gpu_attention.copy_bandwidth_gb_s(device), 20
+        else:  # exercises the code path; CPU numbers of an interpreted kernel mean nothing
+            from bench.floors import measure_memory_read
+
+            shape, batches, contexts = gpu_attention.SMALL_SHAPE, (1, 4), (64,)
+            dtype, bandwidth, calls = torch.float32, measure_memory_read(64 << 20, repeats=2), 2
+        for line in gpu_attention.decode_timing_lines(
+            device, shape, batches, contexts, dtype, bandwidth, calls
+        ):
+            report.line(line)
+
+    return run
 
 
 # -- bucket graphs -----------------------------------------------------------------------------
@@ -870,7 +905,8 @@ def plan_sections(
 ) -> list[Section]:
     sections = [
         Section("1. Environment", "environment", environment_section(device)),
-        Section("Backends", "backends", backends_section),
+        Section("Attention backends vs the reference", PARITY_SECTION, backends_section(device, args.quick)),
+        Section("Attention decode timings", "attention", attention_timing_section(device, args.quick)),
         # Cheap (a tiny model, seconds per bucket) and the newest device code: before parity.
         Section("Bucket graphs", "graphs", bucket_graphs_section(device, args.quick)),
     ]

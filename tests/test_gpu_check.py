@@ -47,11 +47,19 @@ def test_quick_run_reports_environment_backends_and_timings(quick_run):
     proc, _ = quick_run
     report = proc.stdout
     assert re.search(r"^- torch \S+ .*transformers \S+", report, re.MULTILINE)
-    for backend in ("Triton", "FlashInfer"):
-        assert re.search(rf"^- {backend}.*: not built yet$", report, re.MULTILINE), backend
-    assert re.search(
-        r"^- CUDA graphs .*: the compiled engine captures one per decode bucket", report, re.MULTILINE
+    # Every backend is listed with its version or why it cannot run here.
+    assert re.search(r"^- torch: paged_attention-\S+", report, re.MULTILINE)
+    assert re.search(r"^- flashinfer: unavailable: .*flashinfer", report, re.MULTILINE)
+    assert re.search(r"^- triton: (triton_attention-\S+|unavailable: .+)$", report, re.MULTILINE)
+    assert re.search(r"^- CUDA graphs .*: one per decode bucket", report, re.MULTILINE)
+    # Each runnable backend against the reference, and its decode timings.
+    parity_rows = re.findall(
+        r"^\| (torch|triton) \| (float32|float16) \| .* \| (ok|FAIL) \|$", report, re.MULTILINE
     )
+    assert parity_rows and all(ok == "ok" for *_, ok in parity_rows), report
+    assert {"float32", "float16"} <= {dtype for _, dtype, _ in parity_rows}
+    timing_rows = re.findall(r"^\| (torch|triton) \| (\d+) \| 64 \| ([0-9.]+) \|", report, re.MULTILINE)
+    assert {(name, batch) for name, batch, _ in timing_rows} >= {("torch", "1"), ("torch", "4")}, report
     # The engine's own start on this device, KV cache sized by the engine, a batch run, no leak.
     assert re.search(
         r"^- tiny-llama: ready in [0-9.]+ s, \d+ KV blocks sized by the engine", report, re.MULTILINE
