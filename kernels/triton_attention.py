@@ -98,6 +98,56 @@ def _kv_cache_write_kernel(
 
 
 @triton.jit
+def _load_kv_tile(
+    kv_cache_ptr,
+    table_row,
+    keys,
+    key_mask,
+    head_offset,
+    dim_mask,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    BLOCK_SIZE: tl.constexpr,
+    compute_dtype: tl.constexpr,
+):
+    """Keys and values [BLOCK_N, BLOCK_D] at positions `keys` of one sequence and kv head, each
+    position's block looked up in the block table on its own (so any block size works)."""
+    blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    kv_offsets = (
+        blocks[:, None] * stride_cache_block
+        + (keys % BLOCK_SIZE)[:, None] * stride_cache_offset
+        + head_offset[None, :]
+    )
+    load_mask = key_mask[:, None] & dim_mask[None, :]
+    # other=0: slots past the end may hold NaN, and 0 * NaN would leak into the sums.
+    k = tl.load(kv_cache_ptr + kv_offsets, mask=load_mask, other=0.0).to(compute_dtype)
+    v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=load_mask, other=0.0).to(compute_dtype)
+    return k, v
+
+
+@triton.jit
+def _tile_scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q·kᵀ * scale for a tile, soft-capped when asked."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    if USE_SOFTCAP:
+        # softcap * tanh(x / softcap), tanh from exp: the portable math module has no tanh.
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+    return scores
+
+
+@triton.jit
+def _online_softmax_step(scores, v, running_max, running_sum, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of (masked) scores and its values into the running max, sum and output."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    rescale = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def _split_kv_decode_kernel(
     query_ptr,
     kv_cache_ptr,
@@ -184,29 +234,24 @@ def _split_kv_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < hi
-        blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        kv_offsets = (
-            blocks[:, None] * stride_cache_block
-            + (keys % BLOCK_SIZE)[:, None] * stride_cache_offset
-            + head_offset[None, :]
+        k, v = _load_kv_tile(
+            kv_cache_ptr,
+            table_row,
+            keys,
+            key_mask,
+            head_offset,
+            dim_mask,
+            stride_cache_kv,
+            stride_cache_block,
+            stride_cache_offset,
+            BLOCK_SIZE,
+            q.dtype,
         )
-        load_mask = key_mask[:, None] & dim_mask[None, :]
-        # other=0: slots past the end may hold NaN, and 0 * NaN would leak into the sums.
-        k = tl.load(kv_cache_ptr + kv_offsets, mask=load_mask, other=0.0).to(q.dtype)
-        v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=load_mask, other=0.0).to(q.dtype)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        if USE_SOFTCAP:
-            # softcap * tanh(x / softcap), tanh from exp: the portable math module has no tanh.
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        scores = _tile_scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
-
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(
+            scores, v, running_max, running_sum, acc, DOT_PRECISION
+        )
 
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if NUM_PARTITIONS == 1:
@@ -354,32 +399,27 @@ def _extend_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < hi
-        blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        kv_offsets = (
-            blocks[:, None] * stride_cache_block
-            + (keys % BLOCK_SIZE)[:, None] * stride_cache_offset
-            + head_offset[None, :]
+        k, v = _load_kv_tile(
+            kv_cache_ptr,
+            table_row,
+            keys,
+            key_mask,
+            head_offset,
+            dim_mask,
+            stride_cache_kv,
+            stride_cache_block,
+            stride_cache_offset,
+            BLOCK_SIZE,
+            q.dtype,
         )
-        load_mask = key_mask[:, None] & dim_mask[None, :]
-        # other=0: slots past the end may hold NaN, and 0 * NaN would leak into the sums.
-        k = tl.load(kv_cache_ptr + kv_offsets, mask=load_mask, other=0.0).to(q.dtype)
-        v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=load_mask, other=0.0).to(q.dtype)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        if USE_SOFTCAP:
-            # softcap * tanh(x / softcap), tanh from exp: the portable math module has no tanh.
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        scores = _tile_scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None]) & row_mask[:, None]
         if USE_WINDOW:
             visible = visible & (keys[None, :] > positions[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
-
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(
+            scores, v, running_max, running_sum, acc, DOT_PRECISION
+        )
 
     result = acc / tl.maximum(running_sum, 1.1754943508222875e-38)[:, None]
     out_offsets = rows.to(tl.int64)[:, None] * stride_out_tok + head * stride_out_head + dims[None, :]
