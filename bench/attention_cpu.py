@@ -24,6 +24,7 @@ import torch
 
 import compiled_engine.kernels  # noqa: F401  (registers torch.ops.compiled_engine.paged_attention)
 from bench.floors import measure_memory_read
+from compiled_engine.graphs.compiled_step import INDUCTOR_SETTINGS
 from compiled_engine.kernels.inline_attention import paged_attention_inline
 
 NUM_Q_HEADS = 8
@@ -139,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=30, help="timed rounds (median and min reported)")
     parser.add_argument("--cases", default="64x512,1x512", help="SEQSxCONTEXT,... decode cases")
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="also time bench-small's engine decode step at each case and report attention's share",
+    )
     args = parser.parse_args(argv)
 
     read_gb_s = measure_memory_read()
@@ -152,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     print("{:>11} {:>17} {:>17} {:>9} {:>11}".format(*columns))
     for num_seqs, context in parse_cases(args.cases):
         step = make_decode_step(num_seqs, context)
-        # Static shapes, as a shape-specialised decode bucket would be compiled.
+        # Static shapes, as a shape-specialised decode bucket would be compiled, with the engine's
+        # Inductor settings.
         compiled = torch.compile(inline_layer, dynamic=False, fullgraph=True, backend="inductor")
         inputs = step.op_args(scale)
-        diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
+        with torch._inductor.config.patch(INDUCTOR_SETTINGS):
+            diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
         timings = time_interleaved(
             {
                 "reference": lambda step=step: reference_layer(step, scale),
@@ -167,7 +175,59 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{med:.3f} / {best:.3f}" for med, best in (timings["reference"], timings["inline"])]
         case = f"{num_seqs} x {context}"
         print(f"{case:>11} {cells[0]:>17} {cells[1]:>17} {floor:>9.3f} {diff:>11.1e}")
+        if args.share:
+            step_ms = engine_decode_step_ms(num_seqs, context, args.repeats)
+            layers = _bench_small_layers()
+            attention_ms = layers * timings["inline"][0]
+            print(
+                f"{'':>11} engine decode step {step_ms:.2f} ms (median); attention + KV write "
+                f"{layers} x {timings['inline'][0]:.3f} = {attention_ms:.2f} ms = "
+                f"{attention_ms / step_ms:.0%} of the step; KV-read floor alone "
+                f"{layers * floor / step_ms:.0%}"
+            )
     return 0
+
+
+def _bench_small_layers() -> int:
+    from bench.models import BENCH_SMALL_CONFIG
+
+    return BENCH_SMALL_CONFIG["num_hidden_layers"]
+
+
+def engine_decode_step_ms(num_seqs: int, context: int, steps: int) -> float:
+    """Median ms of bench-small engine steps (fp32, compiled) once `num_seqs` requests decode at
+    about `context` tokens each: prompts of context - steps/2, then `steps` decode steps."""
+    from bench.models import bench_small_dir
+    from compiled_engine import LLM, SamplingParams
+
+    prompt_len = max(1, context - steps // 2)
+    llm = LLM(
+        str(bench_small_dir()),
+        dtype="float32",
+        max_model_len=context + steps + 16,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=num_seqs * ((context + steps + 16) // BLOCK_SIZE + 1),
+        async_scheduling=False,
+    )
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": [3 + (i * 31 + j) % 3000 for j in range(prompt_len)]} for i in range(num_seqs)
+    ]
+    for processed, checked in engine.validate(prompts, params):
+        engine.add_request(engine.next_request_id(), processed, checked)
+    produced: dict[str, int] = {}
+    times = []
+    while engine.has_unfinished_requests():
+        decoding = len(produced) == num_seqs
+        started = time.perf_counter()
+        outputs = engine.step()
+        if decoding:
+            times.append((time.perf_counter() - started) * 1e3)
+        for out in outputs:
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    return statistics.median(times[2:])  # the first decode steps load or compile their bucket
 
 
 if __name__ == "__main__":

@@ -108,7 +108,11 @@ class BenchSession:
         )
 
     def engine(self, name: str, **options):
-        """Our engine for `name` (options such as async_scheduling=True build a separate one)."""
+        """Our engine for `name` (options such as async_scheduling=True build a separate one).
+
+        Prefix caching is off unless a suite asks for it: the suites repeat their requests round
+        after round, and against HF (no prefix cache) every round must compute its prompt."""
+        options.setdefault("enable_prefix_caching", False)
         key = (name, tuple(sorted(options.items())))
         if key not in self._engines:
             llm = load_engine(self.model_dir(name), self.settings(name), self.dtype, **options)

@@ -106,6 +106,37 @@ def ttft_section(results) -> list[str]:
     return lines
 
 
+def prefix_cache_section(results) -> list[str]:
+    """TTFT of a request whose prompt starts like one that ran just before: prefix-cache hit vs miss."""
+    models = _models(results, "prefix-ttft")
+    if not models:
+        return []
+    lines = [
+        "## Time to first token with a prefix-cache hit (ours only)",
+        "",
+        "One request, max_tokens=1, whose prompt shares its first tokens with a request that ran just "
+        "before; hit = prefix caching on (the shared full blocks come from the cache), miss = "
+        "`enable_prefix_caching=False`. ms, median (± IQR). HF `generate` has no prefix cache, so "
+        "there is no HF column.",
+        "",
+        "| model | prompt tokens | shared tokens | miss | hit | hit / miss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for model in models:
+        for p in _params(results, "prefix-ttft", model):
+            miss = results.get(("prefix-ttft", model, p, "ours-miss"))
+            hit = results.get(("prefix-ttft", model, p, "ours-hit"))
+            shared = (hit or miss)["extra_info"]["shared_prefix_len"]
+            m = _latency(miss, 1e3) if miss else None
+            h = _latency(hit, 1e3) if hit else None
+            lines.append(
+                f"| {model} | {p} | {shared} | {m.show() if m else '—'} | {h.show() if h else '—'} | "
+                f"{_ratio(h and h.median, m and m.median)} |"
+            )
+    lines.append("")
+    return lines
+
+
 def _tpot(bench: dict) -> Spread:
     return spread(bench["extra_info"]["round_tpot_s"], 1e3)
 
@@ -411,6 +442,7 @@ def write_report(results_path: Path, out_dir: Path, plots: bool = True) -> Path:
     lines = header(context)
     lines += ["## Reading", "", READING_START, reading, READING_END, ""]
     lines += ttft_section(results)
+    lines += prefix_cache_section(results)
     lines += decode_section(results, decode_png)
     lines += throughput_section(results, throughput_png)
     lines += startup_section(results)

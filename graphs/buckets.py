@@ -100,10 +100,14 @@ def pad_step(
     num_seqs: int,
     num_logits: int,
     width: int,
+    *,
+    logits_per_token: bool = False,
 ) -> StepInputs:
     """Pad `step` (views at the front of the persistent `buffers`) in place; return padded views.
 
     `num_tokens`, `num_seqs`, `num_logits` and `width` are the padded sizes (each >= the step's).
+    Logits rows are at most one per sequence, or with `logits_per_token` (the dynamic graph, for
+    steps with prompt logprobs) one per token.
     """
     n = step.slot_mapping.shape[0]
     s = step.seq_lens.shape[0]
@@ -117,7 +121,7 @@ def pad_step(
     ):
         if not real <= padded <= room:
             raise ValueError(f"cannot pad {name} from {real} to {padded} (buffers hold {room})")
-    if num_logits > num_seqs:
+    if num_logits > num_seqs and not logits_per_token:
         raise ValueError(f"num_logits={num_logits} exceeds num_seqs={num_seqs}")
 
     buffers.input_ids[0, n:num_tokens] = 0

@@ -76,6 +76,14 @@ logger = logging.getLogger(__name__)
 
 # Bump when the way steps are traced, padded or called changes (it keys the compile cache).
 COMPILED_STEP_VERSION = "compiled_step-2"
+
+# Inductor settings for every bucket graph (they go into the compile-cache key). Bounds asserts on
+# indirect indexing off: inside the inline attention's reductions they sit in the innermost loop
+# (one per key row per head) and keep it from being hoisted and vectorised. Every indirect index in
+# our graphs is in range by construction: block ids are clamped in kernels/inline_attention.py,
+# token ids are checked against the vocabulary by engine/input_processor.py, positions against
+# max_model_len, and the KV write with its slot mapping is an opaque op Inductor does not index.
+INDUCTOR_SETTINGS = {"assert_indirect_indexing": False}
 _STEP_RECORD = "step"
 _GEMV_RECORD = "gemv"
 
@@ -193,6 +201,7 @@ def step_component_versions(
     return {
         "attention_backend": attention_backend.version if attention_backend is not None else "torch",
         "compiled_step": COMPILED_STEP_VERSION,
+        "inductor_settings": repr(sorted(INDUCTOR_SETTINGS.items())),
         "passes": passes.version(),
         "freeze_parameters": FreezeParameters.version,
         "constant_recipes": CONSTANT_RECIPES_VERSION,
@@ -314,6 +323,10 @@ class CompiledStep:
         num_tokens = inputs.slot_mapping.shape[0]
         num_logits = inputs.logits_indices.shape[0]
         bucket = bucket_for(num_tokens, self.buckets)
+        if bucket is not None and num_logits > bucket_shape(bucket, self.max_num_seqs).num_seqs:
+            # More logits rows than the bucket graph returns (a step with prompt logprobs): the
+            # dynamic graph, whose logits-row count is its own symbol.
+            bucket = None
         width = inputs.block_tables.shape[1]
         if bucket is not None:
             shape = bucket_shape(bucket, self.max_num_seqs)
@@ -326,6 +339,7 @@ class CompiledStep:
                 max(inputs.seq_lens.shape[0], _MIN_DYNAMIC_SIZE),
                 max(num_logits, _MIN_DYNAMIC_SIZE),
                 max(width, _MIN_DYNAMIC_SIZE),
+                logits_per_token=True,
             )
         artifact = self.artifact(bucket)
         with torch.no_grad():
@@ -433,7 +447,10 @@ class CompiledStep:
             )
         graph, gemv, inline = self._bucket_graph(bucket)
         # Float attributes (the attention scale) stay Python floats, as in the capture.
-        with torch._dynamo.config.patch(specialize_float=True):
+        with (
+            torch._dynamo.config.patch(specialize_float=True),
+            torch._inductor.config.patch(INDUCTOR_SETTINGS),
+        ):
             if bucket is None:
                 return (
                     torch._inductor.standalone_compile(

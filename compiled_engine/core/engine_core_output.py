@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compiled_engine.worker.runner_output import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class EngineCoreOutput:
@@ -12,3 +14,8 @@ class EngineCoreOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" once finished, else None
     stop_reason: int | str | None = None  # the stop token that ended it, if any
+    # Attached by the engine core after the update: one per new token, when logprobs were asked.
+    new_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # With the first token of a request that asked for prompt_logprobs: one per prompt token,
+    # None for the first (nothing predicts it).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None

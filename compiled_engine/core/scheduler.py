@@ -26,16 +26,31 @@ Steps in flight: `schedule()` hands out a step, `update()` applies its result, o
   `waiting_for_in_flight`, the caller updates the in-flight steps and schedules again.
 With one step in flight (the synchronous loop) none of this arises: `schedule()` and `update()`
 alternate.
+
+Prefix caching (`enable_prefix_caching`, core/kv_cache_manager.py):
+- a waiting request is admitted with the cached blocks of its longest known prefix (never its
+  last token, whose logits it needs), shared by reference count, and computes only the rest; a
+  preempted request recomputing finds its own blocks this way while they are not evicted;
+- a full block is registered in `update()`, once `num_computed_tokens` has passed its end: never
+  while a step in flight still computes it, never with a placeholder in it. Shared blocks are
+  only read: every write lands past the writer's computed tokens, so past any registered block;
+- the free-block counts admission and preemption use include evictable cached blocks, and a
+  block a step in flight reads keeps a reference (its owner's or the step's deferred list), so it
+  is never in the free queue, never evicted;
+- a waiting request whose next uncached block is being computed right now (by a step in flight,
+  or by a request scheduled earlier in this step, e.g. the first of n samples of one prompt)
+  waits, FCFS, until that step is updated, and then shares the block instead of computing it
+  again. Sharing within one step would mean reading a block registered before it is computed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from compiled_engine.core.engine_core_output import EngineCoreOutput
-from compiled_engine.core.kv_cache_manager import KVCacheManager
+from compiled_engine.core.kv_cache_manager import KVCacheManager, token_range
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from compiled_engine.engine.request import Request, RequestStatus
@@ -49,21 +64,30 @@ class _InFlightStep:
     requests: dict[str, Request]
     # Blocks of requests that ended while this step still read them: freed when it is updated.
     deferred_blocks: list[int] = field(default_factory=list)
+    # Keys of the full blocks this step completes (prefix caching): registered when it is updated.
+    computing_block_hashes: list[bytes] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = config
-        self._kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self._kv_cache_manager = KVCacheManager(
+            config.num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
         self._requests: dict[str, Request] = {}  # unfinished requests, waiting or running
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._finished_since_last_schedule: list[str] = []
         # Steps handed out by schedule() and not yet passed to update(), oldest first.
         self._in_flight: deque[_InFlightStep] = deque()
+        # Keys of the blocks the steps in flight are computing (with multiplicity).
+        self._computing_block_hashes: Counter[bytes] = Counter()
         # Over the scheduler's life, for stats and tests:
         self.num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled for a request that had already ended
+        # Prefix cache: known tokens of admitted requests, and how many of those came from the cache.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     @property
     def config(self) -> SchedulerConfig:
@@ -125,6 +149,7 @@ class Scheduler:
             request = step.requests[scheduled.request_id]
             request.num_in_flight_tokens -= len(scheduled.token_ids)
             request.num_pending_outputs -= scheduled.sample
+        self._forget_computing(step)
         self._release_after_in_flight(step.deferred_blocks)
 
     def schedule(self) -> SchedulerOutput:
@@ -136,6 +161,7 @@ class Scheduler:
         budget = self._config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
+        computing: list[bytes] = []  # keys of the full blocks this step completes
 
         index = 0
         while index < len(self._running) and budget > 0:
@@ -156,6 +182,7 @@ class Scheduler:
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
             scheduled.append(self._scheduled_request(request, num_new_tokens))
+            computing += self._completed_block_hashes(request, num_new_tokens)
             budget -= num_new_tokens
             index += 1
 
@@ -163,15 +190,24 @@ class Scheduler:
         # take blocks the running requests need next step (and could re-admit the victim).
         if not preempted_ids:
             while self._waiting and len(self._running) < self._config.max_num_seqs and budget > 0:
-                request = self._waiting[0]
-                num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-                end = request.num_computed_tokens + num_new_tokens
-                if not self._kv_cache_manager.allocate_slots(request.request_id, end):
+                request = self._waiting[0]  # nothing computed, nothing in flight
+                cached_blocks = self._kv_cache_manager.find_cached_prefix(request)
+                if self._next_block_is_being_computed(request, len(cached_blocks), computing):
                     break  # FCFS: later requests do not overtake the head of the queue
+                num_cached_tokens = len(cached_blocks) * self._config.block_size
+                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+                end = num_cached_tokens + num_new_tokens
+                if not self._kv_cache_manager.allocate_slots(request.request_id, end, cached_blocks):
+                    break
                 self._waiting.popleft()
                 request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_cached_tokens
+                if self._config.enable_prefix_caching:
+                    self.num_prefix_cache_queries += request.num_tokens
+                    self.num_prefix_cache_hits += num_cached_tokens
                 self._running.append(request)
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
+                computing += self._completed_block_hashes(request, num_new_tokens)
                 budget -= num_new_tokens
 
         finished_ids = tuple(self._finished_since_last_schedule)
@@ -187,7 +223,8 @@ class Scheduler:
             for s in scheduled:
                 requests[s.request_id].num_in_flight_tokens += len(s.token_ids)
                 requests[s.request_id].num_pending_outputs += s.sample
-            self._in_flight.append(_InFlightStep(output, requests))
+            self._in_flight.append(_InFlightStep(output, requests, computing_block_hashes=computing))
+            self._computing_block_hashes.update(computing)
         return output
 
     def update(
@@ -226,6 +263,7 @@ class Scheduler:
                 self.num_discarded_tokens += scheduled_request.sample
                 continue
             request.num_computed_tokens += num_tokens
+            self._kv_cache_manager.cache_computed_blocks(request)
             if not scheduled_request.sample:
                 continue
             token_id = sampled[request.request_id]
@@ -244,10 +282,41 @@ class Scheduler:
                     stop_reason=stop_reason,
                 )
             )
+        self._forget_computing(step)
         self._kv_cache_manager.block_pool.free(step.deferred_blocks)
         if finished_any:
             self._running = [r for r in self._running if not r.status.finished]
         return outputs
+
+    def _completed_block_hashes(self, request: Request, num_new_tokens: int) -> list[bytes]:
+        """Keys of the request's full blocks that its next `num_new_tokens` tokens complete; blocks
+        still waiting on a placeholder have no key yet and are left out."""
+        if not self._config.enable_prefix_caching:
+            return []
+        size = self._config.block_size
+        start = request.num_computed_tokens + request.num_in_flight_tokens
+        end = min(start + num_new_tokens, request.num_tokens)
+        if end // size <= start // size:
+            return []
+        return self._kv_cache_manager.block_hashes(request)[start // size : end // size]
+
+    def _next_block_is_being_computed(
+        self, request: Request, num_cached_blocks: int, computing_now: list[bytes]
+    ) -> bool:
+        """Whether the first block a waiting request would compute is being computed already (by a
+        step in flight, or earlier in the step being built): it had better wait and share it."""
+        if not self._config.enable_prefix_caching:
+            return False
+        if num_cached_blocks >= (request.num_tokens - 1) // self._config.block_size:
+            return False  # nothing more it could take from the cache
+        next_hash = request.block_hashes[num_cached_blocks]
+        return next_hash in self._computing_block_hashes or next_hash in computing_now
+
+    def _forget_computing(self, step: _InFlightStep) -> None:
+        for block_hash in step.computing_block_hashes:
+            self._computing_block_hashes[block_hash] -= 1
+            if self._computing_block_hashes[block_hash] == 0:
+                del self._computing_block_hashes[block_hash]
 
     def _reaches_length_limit(self, request: Request) -> bool:
         """Whether the tokens it is owed already take it to max_tokens or max_model_len."""
@@ -301,7 +370,7 @@ class Scheduler:
         start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new_tokens
         known = request.num_tokens
-        token_ids = _token_range(request, start, min(end, known))
+        token_ids = token_range(request, start, min(end, known))
         if end > known:  # tokens steps in flight are sampling right now
             token_ids += (PLACEHOLDER_TOKEN_ID,) * (end - max(start, known))
         return ScheduledRequest(
@@ -339,6 +408,10 @@ class Scheduler:
             )
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+            raise InvalidRequestError(
+                f"request {request_id!r}: cache_salt must be a str or None, got {request.cache_salt!r}"
+            )
         max_tokens = request.sampling_params.max_tokens
         max_model_len = self._config.max_model_len
         if request.num_tokens + max_tokens > max_model_len:
@@ -356,15 +429,3 @@ class Scheduler:
                 f"holds {self._config.num_cache_tokens} ({self._config.num_kv_blocks} blocks of "
                 f"{self._config.block_size}); shorten the prompt or lower max_tokens"
             )
-
-
-def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """Tokens [start, end) of prompt + outputs, without building the concatenated list."""
-    prompt = request.prompt_token_ids
-    num_prompt = len(prompt)
-    if end <= num_prompt:
-        return tuple(prompt[start:end])
-    outputs = request.output_token_ids
-    if start >= num_prompt:
-        return tuple(outputs[start - num_prompt : end - num_prompt])
-    return tuple(prompt[start:]) + tuple(outputs[: end - num_prompt])

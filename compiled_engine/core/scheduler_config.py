@@ -18,6 +18,11 @@ class SchedulerConfig:
     # Steps that may be scheduled before the oldest one is updated: 1 for the synchronous loop,
     # 2 for the async loop (step N+1 is scheduled while step N runs).
     max_in_flight_steps: int = 1
+    # Automatic prefix caching: computed full blocks are kept (until evicted) and shared by
+    # requests whose tokens start the same way (core/kv_cache_manager.py). The engine turns it on
+    # by default (LLMEngine / LLM `enable_prefix_caching=True`); a bare SchedulerConfig leaves it
+    # off, so scheduler tests that reuse one prompt across requests see no sharing.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -31,6 +36,10 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"SchedulerConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
 
     @property
     def num_cache_tokens(self) -> int:

@@ -5,10 +5,18 @@ schedules and launches step N+1 first, then collects and updates step N, so the 
 step N's results (and on the step after) overlaps step N+1 on the device. Its first call returns
 no outputs (nothing has finished yet) and the loop ends by collecting the last step in flight;
 `has_unfinished_requests()` stays true until then.
+
+Sampling state: the runner keeps, for requests that need it, the prompt and the outputs the host
+knows (penalties, min_tokens, prompt logprobs); the core registers them, appends each update's
+tokens and drops them when the request ends. Logprobs come back with the runner's output and are
+attached to the update's records here (joined by request id, so tokens the update dropped carry
+none); prompt logprobs arrive chunk by chunk with the prefill and are attached to the request's
+first token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,6 +26,7 @@ from compiled_engine.core.scheduler import Scheduler
 from compiled_engine.core.scheduler_output import SchedulerOutput
 from compiled_engine.engine.request import Request, RequestStatus
 from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
+from compiled_engine.worker.runner_output import ModelRunnerOutput, TokenLogprobs
 
 
 @dataclass
@@ -37,17 +46,32 @@ class EngineCore:
         self.runner = runner
         self.async_scheduling = async_scheduling
         self._launched: deque[LaunchedStep] = deque()
+        # Prompt logprobs of requests still prefilling: one slot per prompt token after the first.
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.timeline = CoreTimeline()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        params = request.sampling_params
+        self.runner.add_request(request.request_id, request.prompt_token_ids, params, request.eos_token_ids)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.request_id] = [None] * (request.num_prompt_tokens - 1)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._forget(request_ids)
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """Stop requests the output side ended (a stop string matched in the text)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        self._forget(request_ids)
+
+    def _forget(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        self.runner.remove_requests(request_ids)
+        for request_id in request_ids:
+            self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._launched)
@@ -111,8 +135,46 @@ class EngineCore:
         self._launched.popleft()
         started = time.perf_counter()
         outputs = self.scheduler.update(launched.step, runner_output)
+        outputs = self._after_update(outputs, runner_output)
         self.timeline.update_s += time.perf_counter() - started
         return outputs
+
+    def _after_update(
+        self, outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Keep the runner's request states current and attach the step's logprobs."""
+        for request_id, chunk in (runner_output.prompt_logprobs or {}).items():
+            slots = self._prompt_logprobs.get(request_id)  # None: the request ended meanwhile
+            if slots is not None:
+                first = chunk.first_position
+                slots[first : first + len(chunk.entries)] = chunk.entries
+        logprobs = {}
+        if runner_output.logprobs is not None:
+            logprobs = dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))
+        attached = []
+        for out in outputs:
+            self.runner.record_outputs(out.request_id, out.new_token_ids)
+            extra = {}
+            if logprobs.get(out.request_id) is not None:
+                extra["new_logprobs"] = (logprobs[out.request_id],)
+            if out.request_id in self._prompt_logprobs:
+                extra["prompt_logprobs"] = self._complete_prompt_logprobs(out.request_id)
+            if out.finished:
+                self._forget(out.request_id)
+            attached.append(dataclasses.replace(out, **extra) if extra else out)
+        return attached
+
+    def _complete_prompt_logprobs(self, request_id: str) -> tuple[TokenLogprobs | None, ...]:
+        slots = self._prompt_logprobs.pop(request_id)
+        missing = [i + 1 for i, entry in enumerate(slots) if entry is None]
+        if missing:
+            # Only if the prefill skipped positions, e.g. a prefix-cache hit: those logits were
+            # never computed, and the request must not read cached blocks.
+            raise RuntimeError(
+                f"request {request_id!r}: prompt logprobs of prompt positions {missing[:8]} were never "
+                "computed (was its prompt read from the prefix cache?)"
+            )
+        return (None, *slots)
 
     def _cancel_all(self) -> None:
         """A step failed: forget every step in flight (newest first); their tokens run again."""

@@ -62,6 +62,7 @@ class InputProcessor:
         text, raw_token_ids = self._token_ids(prompt, request_id)
         token_ids = self._checked_token_ids(raw_token_ids, request_id)
         self._check_length(len(token_ids), sampling_params.max_tokens, request_id)
+        self._check_against_vocab(sampling_params, request_id)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids)
 
     def validate_batch(self, prompts, sampling_params=None) -> list[ValidatedPrompt]:
@@ -158,6 +159,21 @@ class InputProcessor:
                 )
         # Plain ints from here on (numpy integers pass the check above).
         return tuple(int(token_id) for token_id in token_ids)
+
+    def _check_against_vocab(self, params: SamplingParams, request_id: str) -> None:
+        """What SamplingParams cannot check alone: token ids and logprob counts within the vocabulary."""
+        for token_id in params.logit_bias or ():
+            if token_id >= self._vocab_size:
+                raise InvalidRequestError(
+                    f"request {request_id}: logit_bias token {token_id} is outside the model's "
+                    f"vocabulary [0, {self._vocab_size})"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self._vocab_size:
+                raise InvalidRequestError(
+                    f"request {request_id}: {name}={value} is more than the model's {self._vocab_size} tokens"
+                )
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int, request_id: str) -> None:
         if num_prompt_tokens > self.max_model_len:

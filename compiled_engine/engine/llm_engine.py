@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -71,6 +73,7 @@ class LLMEngine:
         cache_dir: str | None = None,
         async_scheduling: bool | None = None,
         attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
     ) -> None:
         dev = (
             torch.device(device)
@@ -83,6 +86,8 @@ class LLMEngine:
             async_scheduling = ASYNC_SCHEDULING_DEFAULT.get(dev.type, False)
         elif not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None, True or False, got {async_scheduling!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         # Inductor's CPU probes run while the model loads (graphs/inductor_warmup.py).
         cpu_probes = None if enforce_eager else start_cpu_probes(dev)
         loaded: LoadedModel = load_model(model, dtype=dtype, device=dev)
@@ -202,6 +207,7 @@ class LLMEngine:
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
                 max_in_flight_steps=2 if async_scheduling else 1,
+                enable_prefix_caching=enable_prefix_caching,
             )
         )
         runner.timeline = RunnerTimeline()  # start-up steps are not part of serving's timeline
@@ -224,6 +230,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler, core, runner = self.core.scheduler, self.core.timeline, self.core.runner.timeline
+        pool = scheduler.kv_cache_manager.block_pool
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -239,6 +246,11 @@ class LLMEngine:
             wait_s=runner.wait_s,
             update_s=core.update_s,
             step_wall_s=core.step_wall_s,
+            prefix_caching=scheduler.config.enable_prefix_caching,
+            prefix_cache_queries=scheduler.num_prefix_cache_queries,
+            prefix_cache_hits=scheduler.num_prefix_cache_hits,
+            num_cached_kv_blocks=pool.num_cached_blocks,
+            num_evictable_kv_blocks=pool.num_evictable_blocks,
         )
 
     def num_free_kv_blocks(self) -> int:
@@ -254,21 +266,51 @@ class LLMEngine:
         return self.input_processor.validate_batch(prompts, sampling_params)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-        if self.output_processor.has_request(request_id):
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt.prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.model_config.eos_token_ids,
+        """Queue a request. With n > 1 the core runs n children `f"{request_id}-{i}"` (sample i,
+        seed + i when seeded); the output side gathers them into one RequestOutput."""
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        for rid in dict.fromkeys([request_id, *child_ids]):
+            if self.output_processor.has_request(rid):
+                raise InvalidRequestError(f"request id {rid!r} is already in use")
+        added: list[str] = []
+        try:
+            for index, child_id in enumerate(child_ids):
+                child_params = params if params.n == 1 else _child_sampling_params(params, index)
+                self.core.add_request(
+                    Request(
+                        request_id=child_id,
+                        prompt_token_ids=list(prompt.prompt_token_ids),
+                        sampling_params=child_params,
+                        eos_token_ids=self.model_config.eos_token_ids,
+                        # Prompt logprobs need the logits of every prompt position, so such a
+                        # request must not start from blocks the prefix cache holds: a salt of
+                        # its own keeps it from matching any.
+                        cache_salt=(
+                            f"prompt_logprobs:{next(_private_salts)}"
+                            if child_params.prompt_logprobs is not None
+                            else None
+                        ),
+                    )
+                )
+                added.append(child_id)
+        except BaseException:
+            # The scheduler may still refuse (a prompt the whole cache cannot hold): undo the
+            # children it took, so a refusal leaves no state behind.
+            self.core.abort_requests(added)
+            raise
+        # Registered on the text side only once the core accepted every child.
+        self.output_processor.add_request(
+            request_id,
+            prompt.prompt,
+            prompt.prompt_token_ids,
+            params,
+            child_ids=None if params.n == 1 else child_ids,
         )
-        # The scheduler may still refuse (a prompt the whole cache cannot hold): register the
-        # text side only once the core accepted it, so a refusal leaves no state behind.
-        self.core.add_request(request)
-        self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        """Abort requests (a request with n > 1: every one of its samples)."""
+        core_ids = [child_id for rid in request_ids for child_id in self.output_processor.child_ids(rid)]
+        self.core.abort_requests(core_ids)
         self.output_processor.abort(request_ids)
 
     def drain(self) -> None:
@@ -284,3 +326,18 @@ class LLMEngine:
         if processed.stopped_by_string:
             self.core.finish_requests(processed.stopped_by_string)
         return processed.request_outputs
+
+
+# Unique per process: a cache salt no other request shares (see add_request).
+_private_salts = itertools.count()
+
+
+def _child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of a request with n > 1: its own seed (seed + index, vLLM's choice) so the
+    samples differ yet reproduce; prompt logprobs computed once, by sample 0."""
+    return dataclasses.replace(
+        params,
+        n=1,
+        seed=None if params.seed is None else params.seed + index,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+    )

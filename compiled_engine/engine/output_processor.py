@@ -1,26 +1,50 @@
 """Turns token-level engine-core outputs into text-level `RequestOutput`s.
 
 Owns one incremental detokenizer per live request; finds stop strings (which may span token
-boundaries) and reports the requests they end, so the engine can stop them in the core.
+boundaries) and reports the requests they end, so the engine can stop them in the core. Turns
+the core's logprobs records into vLLM's per-position dicts. A request with n > 1 runs in the
+core as n child requests; they are gathered here into one RequestOutput with n completions,
+finished when all of them are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.engine.detokenizer import IncrementalDetokenizer
-from compiled_engine.outputs import CompletionOutput, RequestOutput
+from compiled_engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.worker.runner_output import TokenLogprobs
 
 
 @dataclass
 class _RequestState:
+    """One sequence: a request with n == 1, or one child of a request with n > 1."""
+
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     detokenizer: IncrementalDetokenizer | None
+    parent_id: str | None = None
+    index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: SampleLogprobs | None = None  # a list when logprobs were asked
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class _ParentState:
+    """A request with n > 1: the latest completion of each child, and how many finished."""
+
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    child_ids: tuple[str, ...]
+    completions: list[CompletionOutput]
+    num_finished: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -34,58 +58,150 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        self._parents: dict[str, _ParentState] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        child_ids: Sequence[str] | None = None,
     ) -> None:
+        """Register a request. With `child_ids` (n > 1) the core runs those ids, one per sample."""
+        if child_ids is None:
+            self._states[request_id] = self._new_state(prompt, prompt_token_ids, params)
+            return
+        for index, child_id in enumerate(child_ids):
+            self._states[child_id] = self._new_state(prompt, prompt_token_ids, params, request_id, index)
+        empty = [
+            CompletionOutput(index=i, text="", token_ids=(), finish_reason=None)
+            for i in range(len(child_ids))
+        ]
+        self._parents[request_id] = _ParentState(prompt, prompt_token_ids, tuple(child_ids), empty)
+
+    def _new_state(
+        self,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> _RequestState:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), stop=params.stop)
-        self._states[request_id] = _RequestState(prompt, prompt_token_ids, detok)
+        state = _RequestState(prompt, prompt_token_ids, detok, parent_id, index)
+        if params.logprobs is not None:
+            state.logprobs = []
+            state.cumulative_logprob = 0.0
+        return state
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The ids the core knows a request by: its children for n > 1, else itself."""
+        parent = self._parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else [request_id]
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            for child_id in self.child_ids(rid):
+                self._states.pop(child_id, None)
+            self._parents.pop(rid, None)
             self._states.pop(rid, None)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._states or request_id in self._parents
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        results: list[RequestOutput] = []
+        # RequestOutputs in the order their first core output came; a parent's is built once,
+        # after all of this step's child outputs are in.
+        ordered: list[RequestOutput | str] = []
+        touched_parents: set[str] = set()
         stopped: list[str] = []
         for out in core_outputs:
             state = self._states.get(out.request_id)
             if state is None:  # aborted or already ended by a stop string
                 continue
-            state.token_ids.extend(out.new_token_ids)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if state.detokenizer is not None and (out.new_token_ids or out.finished):
-                # finished=True releases text held back while it could still start a stop string.
-                state.text += state.detokenizer.append(list(out.new_token_ids), finished=out.finished)
-                if state.detokenizer.stopped and not out.finished:
-                    finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
-                    stopped.append(out.request_id)
-                elif state.detokenizer.stopped:
-                    # Finished in the core on the same token that completed a stop string:
-                    # the string wins (it is what the user sees).
-                    finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
-            finished = finish_reason is not None
-            completion = CompletionOutput(
-                index=0,
-                text=state.text,
-                token_ids=tuple(state.token_ids),
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-            )
-            results.append(
-                RequestOutput(
-                    request_id=out.request_id,
-                    prompt=state.prompt,
-                    prompt_token_ids=state.prompt_token_ids,
-                    outputs=(completion,),
-                    finished=finished,
-                )
-            )
-            if finished:
+            completion = self._update(state, out, stopped)
+            if completion.finished:
                 del self._states[out.request_id]
+            if state.parent_id is None:
+                ordered.append(
+                    RequestOutput(
+                        request_id=out.request_id,
+                        prompt=state.prompt,
+                        prompt_token_ids=state.prompt_token_ids,
+                        outputs=(completion,),
+                        finished=completion.finished,
+                        prompt_logprobs=state.prompt_logprobs,
+                    )
+                )
+                continue
+            parent = self._parents[state.parent_id]
+            parent.completions[state.index] = completion
+            parent.num_finished += completion.finished
+            if state.prompt_logprobs is not None:
+                parent.prompt_logprobs = state.prompt_logprobs
+            if state.parent_id not in touched_parents:
+                touched_parents.add(state.parent_id)
+                ordered.append(state.parent_id)
+        results = [item if isinstance(item, RequestOutput) else self._parent_output(item) for item in ordered]
         return ProcessedOutputs(results, stopped)
+
+    def _update(self, state: _RequestState, out: EngineCoreOutput, stopped: list[str]) -> CompletionOutput:
+        state.token_ids.extend(out.new_token_ids)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if state.detokenizer is not None and (out.new_token_ids or out.finished):
+            # finished=True releases text held back while it could still start a stop string.
+            state.text += state.detokenizer.append(list(out.new_token_ids), finished=out.finished)
+            if state.detokenizer.stopped and not out.finished:
+                finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
+                stopped.append(out.request_id)
+            elif state.detokenizer.stopped:
+                # Finished in the core on the same token that completed a stop string:
+                # the string wins (it is what the user sees).
+                finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
+        if state.logprobs is not None and out.new_logprobs is not None:
+            for record in out.new_logprobs:
+                state.logprobs.append(self._logprob_dict(record))
+                state.cumulative_logprob += record.logprob
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = [
+                None if r is None else self._logprob_dict(r) for r in out.prompt_logprobs
+            ]
+        return CompletionOutput(
+            index=state.index,
+            text=state.text,
+            token_ids=tuple(state.token_ids),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            cumulative_logprob=state.cumulative_logprob,
+        )
+
+    def _parent_output(self, parent_id: str) -> RequestOutput:
+        parent = self._parents[parent_id]
+        finished = parent.num_finished == len(parent.child_ids)
+        if finished:
+            del self._parents[parent_id]
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=tuple(parent.completions),
+            finished=finished,
+            prompt_logprobs=parent.prompt_logprobs,
+        )
+
+    def _logprob_dict(self, record: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's shape: the chosen token first (with its own rank), then the top-N not already in."""
+        entries = {record.token_id: Logprob(record.logprob, record.rank, self._decode(record.token_id))}
+        for rank, (token_id, logprob) in enumerate(
+            zip(record.top_token_ids, record.top_logprobs, strict=True), 1
+        ):
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, rank, self._decode(token_id))
+        return entries
+
+    def _decode(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

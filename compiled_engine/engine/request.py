@@ -52,6 +52,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prefix caching: requests with different salts never share cached blocks (None: no salt).
+    cache_salt: str | None = None
+    # Keys of the full blocks of the known tokens, filled in by the KV cache manager as tokens
+    # arrive (core/kv_cache_manager.py); they stay valid across preemption.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""`EngineStats`: what `LLM.stats()` reports — load, KV cache, waste and the step timeline."""
+"""`EngineStats`: what `LLM.stats()` reports — load, KV cache, prefix cache, waste and the step timeline."""
 
 from __future__ import annotations
 
@@ -23,6 +23,22 @@ class EngineStats:
     wait_s: float  # host blocked on a step's sampled tokens
     update_s: float  # host: applying sampled tokens (appends, stop checks, frees)
     step_wall_s: float  # wall time inside the engine core's step()
+    # Prefix cache. Tokens over the engine's life: known tokens of every admitted request (a
+    # recompute after preemption counts again) and how many of them came from cached blocks.
+    prefix_caching: bool
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Blocks now: registered in the cache (in use or not), and of those, the free ones (counted in
+    # num_free_kv_blocks too: they are evicted when a new block is needed).
+    num_cached_kv_blocks: int
+    num_evictable_kv_blocks: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of the queried tokens served from the prefix cache (0.0 before any query)."""
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def device_idle_fraction(self) -> float:

@@ -1,10 +1,13 @@
-"""`compiled-engine` command line: `generate --model DIR "prompt" ...` and `warmup --model DIR ...`."""
+"""`compiled-engine` command line: `generate --model DIR "prompt" ...`, `warmup --model DIR ...` and
+`serve --model DIR` (OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from compiled_engine.entrypoints.openai.serve_args import add_serve_args
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +35,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-fuse-linears", action="store_true", help="keep q/k/v and gate/up as separate GEMMs"
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full (default: reuse cached KV blocks of shared prefixes)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -65,6 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument(
+        "--logprobs", type=int, default=None, help="also print each token's logprob and the N likeliest"
+    )
     gen.add_argument(
         "--enforce-eager", action="store_true", help="skip Inductor: run the lowered graph eagerly"
     )
@@ -74,6 +86,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="compile every bucket into the compile cache, so later starts with these options are warm",
     )
     _add_engine_args(warm)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_serve_args(serve)
+    _add_engine_args(serve)
     return parser
 
 
@@ -94,6 +109,7 @@ def _llm(args: argparse.Namespace, **extra):
         fuse_linears=not args.no_fuse_linears,
         attention_backend=args.attention_backend,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        enable_prefix_caching=not args.no_prefix_caching,
         **extra,
     )
 
@@ -118,13 +134,25 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        n=args.n,
+        logprobs=args.logprobs,
     )
     llm = _llm(args, enforce_eager=args.enforce_eager)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
-        print(out.prompt + out.outputs[0].text)
-        if len(args.prompts) > 1:
-            print("-" * 40)
+        for completion in out.outputs:
+            print(out.prompt + completion.text)
+            for token_id, entry in zip(completion.token_ids, completion.logprobs or (), strict=False):
+                alternatives = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for lp in entry.values())
+                print(f"  {entry[token_id].decoded_token!r}: {entry[token_id].logprob:.3f}  [{alternatives}]")
+            if len(args.prompts) > 1 or len(out.outputs) > 1:
+                print("-" * 40)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from compiled_engine.entrypoints.openai.api_server import run_server
+
+    return run_server(args, build_engine=lambda: _llm(args, enforce_eager=args.enforce_eager).engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     try:
-        return _warmup(args) if args.command == "warmup" else _generate(args)
+        return {"generate": _generate, "warmup": _warmup, "serve": _serve}[args.command](args)
     except (ValueError, UnsupportedModelError, AttentionBackendUnavailableError) as exc:
         # Errors users can fix (bad folder, bad parameter) print one clear line, no traceback.
         print(f"compiled-engine: error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ class LLM:
         cache_dir: str | None = None,
         async_scheduling: bool | None = None,
         attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
     ) -> None:
         """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
         `compile_buckets` overrides the token-count buckets compiled otherwise
@@ -46,7 +47,10 @@ class LLM:
         with the current one (None: the best default for the device — on for CUDA, off for CPU);
         `attention_backend` picks the paged-attention kernels: "auto" (CUDA: triton when installed,
         else torch; CPU: torch), "torch", "triton" (on CPU only under TRITON_INTERPRET=1, for
-        tests) or "flashinfer" (kernels/backends.py)."""
+        tests) or "flashinfer" (kernels/backends.py); `enable_prefix_caching` keeps computed KV blocks
+        and lets later requests whose tokens start the same way (a shared system prompt, the n
+        samples of one prompt, a recompute after preemption) reuse them instead of computing them
+        again (core/kv_cache_manager.py; `stats()` reports the hit rate)."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
@@ -67,6 +71,7 @@ class LLM:
             cache_dir=cache_dir,
             async_scheduling=async_scheduling,
             attention_backend=attention_backend,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     def get_tokenizer(self):

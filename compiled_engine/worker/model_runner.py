@@ -1,4 +1,4 @@
-"""Runs one scheduled step: inputs into persistent buffers → captured graph → sampler."""
+"""Runs one scheduled step: inputs into persistent buffers → captured graph → sampler → logprobs."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -28,9 +29,9 @@ from compiled_engine.kernels.backends import resolve_attention_backend
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
-from compiled_engine.worker.runner_output import ModelRunnerOutput
-from compiled_engine.worker.sampler import Sampler, SamplingTensors
-from compiled_engine.worker.staging import StagingSlot
+from compiled_engine.worker.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
+from compiled_engine.worker.sampler import Sampler, token_logprobs
+from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class LaunchedStep:
     step: SchedulerOutput
     sampled_request_ids: tuple[str, ...]
     slot: StagingSlot
+    staged: StagedStep
     done: Event
     samples: _Samples
     # Every KV block the step reads or writes (for the checks that nothing reuses them early).
@@ -162,11 +164,39 @@ class ModelRunner:
         runtime = self.compiled_step.runtime if self.compiled_step is not None else runtime_for(device)
         self.stream = stream_for(runtime, async_scheduling)
         weakref.finalize(self, self.stream.close)  # the CPU worker thread ends with the runner
-        self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(2)]
+        # Requests whose sampling needs their history (penalties, min_tokens, prompt logprobs):
+        # registered by the engine core, read by the slots when they stage a step.
+        self.request_states: dict[str, RequestState] = {}
+        self._slots = [self.buffers.new_slot(self.stream.new_event(), self.request_states) for _ in range(2)]
         self._num_launches = 0
         self._previous: LaunchedStep | None = None
         self._in_flight: deque[LaunchedStep] = deque()
         self.timeline = RunnerTimeline()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Collection[int] = (),
+    ) -> None:
+        """Keep what the request's sampling needs beyond a step's tokens, if anything: penalties
+        count its prompt and outputs, min_tokens bans its EOS ids, prompt logprobs read its prompt."""
+        if params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None:
+            self.request_states[request_id] = RequestState(
+                np.asarray(prompt_token_ids, dtype=np.int64), frozenset(eos_token_ids)
+            )
+
+    def record_outputs(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Output tokens the scheduler accepted for a request (after a step's update)."""
+        state = self.request_states.get(request_id)
+        if state is not None:
+            state.output_token_ids.extend(token_ids)
+
+    def remove_requests(self, request_ids: Collection[str]) -> None:
+        """Forget requests that ended; steps already staged keep what they copied."""
+        for request_id in request_ids:
+            self.request_states.pop(request_id, None)
 
     @property
     def supports_graphs(self) -> bool:
@@ -248,22 +278,21 @@ class ModelRunner:
         def work() -> None:
             began = time.perf_counter()
             inputs = self.buffers.load(slot, staged, previous_samples and previous_samples.tokens)
+            # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
             logits = self.run_graph(inputs)
-            if sampled:
-                device_params = self.buffers.sampling_params(len(sampled))
-                tensors = SamplingTensors(
-                    temperature=device_params.temperature,
-                    top_k=device_params.top_k,
-                    top_p=device_params.top_p,
-                    greedy=device_params.greedy,
-                    generators=generators,
-                    default_generator=self.generator,
-                    all_greedy=staged.all_greedy,
-                    needs_top_k=staged.needs_top_k,
-                    needs_top_p=staged.needs_top_p,
-                )
-                samples.tokens = self.sampler(logits, tensors)
-                slot.sampled_tokens[: len(sampled)].copy_(samples.tokens, non_blocking=True)
+            k = len(sampled)
+            if k:
+                tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
+                samples.tokens = self.sampler(logits[:k], tensors)
+                slot.sampled_tokens[:k].copy_(samples.tokens, non_blocking=True)
+                if staged.num_top_logprobs is not None:
+                    results = token_logprobs(logits[:k], samples.tokens, staged.num_top_logprobs)
+                    _copy_logprobs(slot, "logprob", results)
+            if staged.prompt_logprobs:
+                e = staged.num_prompt_logprob_rows
+                targets = self.buffers.prompt_logprob_targets(e)
+                results = token_logprobs(logits[k : k + e], targets, staged.num_top_prompt_logprobs)
+                _copy_logprobs(slot, "prompt", results)
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
@@ -276,6 +305,7 @@ class ModelRunner:
             step=step,
             sampled_request_ids=tuple(r.request_id for r in sampled),
             slot=slot,
+            staged=staged,
             done=done,
             samples=samples,
             block_ids=frozenset(b for r in step.scheduled for b in r.block_ids),
@@ -301,7 +331,12 @@ class ModelRunner:
         self._in_flight.popleft()
         num_sampled = len(launched.sampled_request_ids)
         tokens = launched.slot.sampled_tokens[:num_sampled].tolist() if num_sampled else []
-        return ModelRunnerOutput(request_ids=launched.sampled_request_ids, sampled_token_ids=tuple(tokens))
+        return ModelRunnerOutput(
+            request_ids=launched.sampled_request_ids,
+            sampled_token_ids=tuple(tokens),
+            logprobs=_sample_logprobs(launched.slot, launched.staged, tokens),
+            prompt_logprobs=_prompt_logprobs(launched.slot, launched.staged),
+        )
 
     def blocks_in_flight(self) -> frozenset[int]:
         """KV blocks read or written by steps launched and not yet collected."""
@@ -315,6 +350,60 @@ class ModelRunner:
 
     def close(self) -> None:
         self.stream.close()
+
+
+def _copy_logprobs(
+    slot: StagingSlot, prefix: str, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """Queue the device-to-host copy of `token_logprobs` results into the slot's result buffers."""
+    top_ids, top_values, chosen, ranks = results
+    rows, num_top = top_ids.shape
+    slot.result_view(f"{prefix}_top_ids", rows, num_top).copy_(top_ids, non_blocking=True)
+    slot.result_view(f"{prefix}_top_values", rows, num_top).copy_(top_values, non_blocking=True)
+    slot.result_view(f"{prefix}_chosen", rows).copy_(chosen, non_blocking=True)
+    slot.result_view(f"{prefix}_ranks", rows).copy_(ranks, non_blocking=True)
+
+
+def _read_logprobs(
+    slot: StagingSlot, prefix: str, rows: int, num_top: int, token_ids: Sequence[int], keep: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Turn a collected step's result buffers into records, keeping `keep[i]` top entries for row i."""
+    top_ids = slot.result_view(f"{prefix}_top_ids", rows, num_top).tolist()
+    top_values = slot.result_view(f"{prefix}_top_values", rows, num_top).tolist()
+    chosen = slot.result_view(f"{prefix}_chosen", rows).tolist()
+    ranks = slot.result_view(f"{prefix}_ranks", rows).tolist()
+    return [
+        TokenLogprobs(token_ids[i], chosen[i], ranks[i], tuple(top_ids[i][:n]), tuple(top_values[i][:n]))
+        for i, n in enumerate(keep)
+    ]
+
+
+def _sample_logprobs(
+    slot: StagingSlot, staged: StagedStep, tokens: list[int]
+) -> tuple[TokenLogprobs | None, ...] | None:
+    num_top = staged.num_top_logprobs
+    if num_top is None:
+        return None
+    keep = [n or 0 for n in staged.logprobs]
+    records = _read_logprobs(slot, "logprob", len(tokens), num_top, tokens, keep)
+    return tuple(
+        record if n is not None else None for record, n in zip(records, staged.logprobs, strict=True)
+    )
+
+
+def _prompt_logprobs(slot: StagingSlot, staged: StagedStep) -> dict[str, PromptLogprobs] | None:
+    if not staged.prompt_logprobs:
+        return None
+    rows = staged.num_prompt_logprob_rows
+    targets = slot.staged("prompt_logprob_targets", rows).tolist()
+    keep = [chunk.num_top for chunk in staged.prompt_logprobs for _ in range(chunk.num_rows)]
+    records = _read_logprobs(slot, "prompt", rows, staged.num_top_prompt_logprobs, targets, keep)
+    chunks, start = {}, 0
+    for chunk in staged.prompt_logprobs:
+        entries = tuple(records[start : start + chunk.num_rows])
+        chunks[chunk.request_id] = PromptLogprobs(chunk.first_position, entries)
+        start += chunk.num_rows
+    return chunks
 
 
 def _sample_index(launched: LaunchedStep) -> dict[str, int]:

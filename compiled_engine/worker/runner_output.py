@@ -5,7 +5,30 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities at one position, from the raw model logits (docs/sampling.md)."""
+
+    token_id: int  # the token that came next: the sampled one, or the next prompt token
+    logprob: float
+    rank: int  # 1 = the most likely token (vLLM's: tokens at least as likely, itself included)
+    top_token_ids: tuple[int, ...]  # the N most likely tokens, best first
+    top_logprobs: tuple[float, ...]
+
+
+class PromptLogprobs(NamedTuple):
+    """Prompt log-probabilities a step computed for one request's chunk of prompt."""
+
+    # Entry i describes prompt token first_position + 1 + i, from the logits at position first_position + i.
+    first_position: int
+    entries: tuple[TokenLogprobs, ...]
+
+
 class ModelRunnerOutput(NamedTuple):
     # One entry per scheduled request with sample=True, in scheduling order.
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int, ...]
+    # Aligned with request_ids: the sampled token's logprobs for rows that asked (logprobs=N),
+    # None for the others; None when no row asked.
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # Per request with prompt_logprobs whose prompt this step computed (a chunk of it).
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`compiled-engine serve`); `api_server.build_app` is the entry."""
