@@ -169,6 +169,20 @@ def test_stop_that_completes_first_wins_over_one_that_starts_first():
     assert detok.stop_reason == "yz"
 
 
+def test_stop_strings_count_only_from_min_tokens_on():
+    tokens = _encode("abc def ghi def")
+    n_before_second = len(_encode("abc def ghi "))
+    # The first "def" ends before min_tokens tokens exist: ignored; the second one stops.
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=("def",), min_tokens=n_before_second)
+    for token in tokens:
+        detok.append([token])
+    assert detok.stopped and detok.text == "abc def ghi "
+    # Without min_tokens the first one stops.
+    eager = IncrementalDetokenizer(TOKENIZER, [], stop=("def",))
+    eager.append(tokens)
+    assert eager.text == "abc "
+
+
 def test_empty_stop_string_rejected():
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(TOKENIZER, [], stop=("",))

@@ -43,7 +43,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: tuple[str, ...] | None = None,
+        min_tokens: int = 0,
     ) -> None:
+        """`min_tokens`: stop strings count only once that many tokens were generated (vLLM's rule:
+        a match must end in text decoded from the min_tokens-th token on)."""
         stop = tuple(stop or ())
         for stop_string in stop:
             if not isinstance(stop_string, str) or not stop_string:
@@ -59,6 +62,8 @@ class IncrementalDetokenizer:
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
         self._token_ids: list[int] = context
+        self._num_context_tokens = len(context)
+        self._min_tokens = min_tokens
         self._prefix_offset = 0
         self._read_offset = len(context)
 
@@ -118,6 +123,8 @@ class IncrementalDetokenizer:
     def _add_text(self, new_text: str) -> None:
         searched_before = len(self._text)
         self._text += new_text
+        if len(self._token_ids) - self._num_context_tokens < self._min_tokens:
+            return  # too early for stop strings; later searches start after this text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop_string in self._stop:
             # Everything before `searched_before` was already searched, so a new match must end

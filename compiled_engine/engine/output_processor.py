@@ -90,7 +90,9 @@ class OutputProcessor:
     ) -> _RequestState:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), stop=params.stop)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, list(prompt_token_ids), stop=params.stop, min_tokens=params.min_tokens
+            )
         state = _RequestState(prompt, prompt_token_ids, detok, parent_id, index)
         if params.logprobs is not None:
             state.logprobs = []
