@@ -17,7 +17,13 @@ from compiled_engine.core.scheduler_output import SchedulerOutput
 from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.worker.sampler import PenaltyTensors, SamplingTensors, TokenEntries
-from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
+from compiled_engine.worker.staging import (
+    PENALTY_ROW_FIELDS,
+    SAMPLING_ROW_FIELDS,
+    RequestState,
+    StagedStep,
+    StagingSlot,
+)
 
 
 @dataclass(frozen=True)
@@ -55,15 +61,8 @@ class InputBuffers:
         # when a step computes prompt logprobs (graphs/compiled_step.py runs those on the
         # dynamic graph unless the bucket graph has room).
         self.logits_indices = buf(max(s, t), dtype=torch.int64)
-        self.temperature = buf(s, dtype=torch.float32)
-        self.top_k = buf(s, dtype=torch.int64)
-        self.top_p = buf(s, dtype=torch.float32)
-        self.greedy = buf(s, dtype=torch.bool)
-        self.min_p = buf(s, dtype=torch.float32)
-        self.penalty_rows = buf(s, dtype=torch.int64)
-        self.presence_penalty = buf(s, dtype=torch.float32)
-        self.frequency_penalty = buf(s, dtype=torch.float32)
-        self.repetition_penalty = buf(s, dtype=torch.float32)
+        for name, dtype in (SAMPLING_ROW_FIELDS | PENALTY_ROW_FIELDS).items():
+            setattr(self, name, buf(s, dtype=dtype))
         self.placeholder_rows = buf(s, dtype=torch.int64)
         self.placeholder_sources = buf(s, dtype=torch.int64)
         # Size-varying inputs (penalty counts, logit_bias and min_tokens entries, prompt-logprobs
@@ -117,10 +116,10 @@ class InputBuffers:
         self.query_start_loc[: s + 1].copy_(slot.query_start_loc[: s + 1], non_blocking=True)
         e = staged.num_logits
         self.logits_indices[:e].copy_(slot.logits_indices[:e], non_blocking=True)
-        for name in ("temperature", "top_k", "top_p", "greedy", "min_p"):
+        for name in SAMPLING_ROW_FIELDS:
             getattr(self, name)[:k].copy_(getattr(slot, name)[:k], non_blocking=True)
         p = staged.num_penalised
-        for name in ("penalty_rows", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in PENALTY_ROW_FIELDS:
             getattr(self, name)[:p].copy_(getattr(slot, name)[:p], non_blocking=True)
         for name, size in (
             ("bias_rows", staged.num_bias),

@@ -100,6 +100,23 @@ class StagedStep:
         return self.num_sampled + self.num_prompt_logprob_rows
 
 
+# One entry per sampling row (K rows a step), then per penalised row: named alike in the host slot
+# and in the device buffers (worker/input_buffers.py), which are declared and copied from these.
+SAMPLING_ROW_FIELDS = {
+    "temperature": torch.float32,
+    "top_k": torch.int64,
+    "top_p": torch.float32,
+    "greedy": torch.bool,
+    "min_p": torch.float32,
+}
+PENALTY_ROW_FIELDS = {
+    "penalty_rows": torch.int64,
+    "presence_penalty": torch.float32,
+    "frequency_penalty": torch.float32,
+    "repetition_penalty": torch.float32,
+}
+
+
 class StagingSlot:
     def __init__(
         self,
@@ -127,15 +144,8 @@ class StagingSlot:
         self.query_start_loc = buf(s + 1, dtype=torch.int32)
         # Sampling rows first, then prompt-logprobs rows: up to one per token.
         self.logits_indices = buf(max(s, t), dtype=torch.int64)
-        self.temperature = buf(s, dtype=torch.float32)
-        self.top_k = buf(s, dtype=torch.int64)
-        self.top_p = buf(s, dtype=torch.float32)
-        self.greedy = buf(s, dtype=torch.bool)
-        self.min_p = buf(s, dtype=torch.float32)
-        self.penalty_rows = buf(s, dtype=torch.int64)
-        self.presence_penalty = buf(s, dtype=torch.float32)
-        self.frequency_penalty = buf(s, dtype=torch.float32)
-        self.repetition_penalty = buf(s, dtype=torch.float32)
+        for name, dtype in (SAMPLING_ROW_FIELDS | PENALTY_ROW_FIELDS).items():
+            setattr(self, name, buf(s, dtype=dtype))
         # Penalised rows whose newest output is the previous step's sample: its count row, and its
         # index in that step's sampled tokens.
         self.penalty_placeholder_count_rows = buf(s, dtype=torch.int64)
@@ -221,7 +231,7 @@ class StagingSlot:
         self.logits_indices[: len(logits_indices)] = torch.from_numpy(logits_indices.astype(np.int64))
         self.placeholder_rows[:m] = torch.from_numpy(placeholder_rows.astype(np.int64))
         self.placeholder_sources[:m] = torch.from_numpy(placeholder_sources)
-        for name in ("temperature", "top_k", "top_p", "greedy", "min_p"):
+        for name in SAMPLING_ROW_FIELDS:
             getattr(self, name)[:k] = torch.from_numpy(getattr(host, name))
         p = len(host.penalty_rows)
         self.penalty_rows[:p] = torch.from_numpy(host.penalty_rows)
