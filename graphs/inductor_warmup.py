@@ -14,8 +14,6 @@ import threading
 
 import torch
 
-INDUCTOR_WARMUP_VERSION = "inductor_warmup-1"
-
 
 def _probe_cpu_vec_isa() -> None:
     try:

@@ -30,8 +30,6 @@ from compiled_engine.graphs.device import DeviceRuntime, Event
 
 Work = Callable[[], None]
 
-EXECUTION_STREAM_VERSION = "execution_stream-1"
-
 # How often a host waiting on the CPU worker checks whether the worker failed.
 _ERROR_POLL_S = 0.05
 
