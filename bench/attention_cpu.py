@@ -24,7 +24,6 @@ import torch
 
 import compiled_engine.kernels  # noqa: F401  (registers torch.ops.compiled_engine.paged_attention)
 from bench.floors import measure_memory_read
-from compiled_engine.graphs.compiled_step import INDUCTOR_SETTINGS
 from compiled_engine.kernels.inline_attention import paged_attention_inline
 
 NUM_Q_HEADS = 8
@@ -158,12 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     print("{:>11} {:>17} {:>17} {:>9} {:>11}".format(*columns))
     for num_seqs, context in parse_cases(args.cases):
         step = make_decode_step(num_seqs, context)
-        # Static shapes, as a shape-specialised decode bucket would be compiled, with the engine's
-        # Inductor settings.
+        # Static shapes, as a shape-specialised decode bucket would be compiled.
         compiled = torch.compile(inline_layer, dynamic=False, fullgraph=True, backend="inductor")
         inputs = step.op_args(scale)
-        with torch._inductor.config.patch(INDUCTOR_SETTINGS):
-            diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
+        diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
         timings = time_interleaved(
             {
                 "reference": lambda step=step: reference_layer(step, scale),

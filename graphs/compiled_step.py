@@ -77,13 +77,6 @@ logger = logging.getLogger(__name__)
 # Bump when the way steps are traced, padded or called changes (it keys the compile cache).
 COMPILED_STEP_VERSION = "compiled_step-2"
 
-# Inductor settings for every bucket graph (they go into the compile-cache key). Bounds asserts on
-# indirect indexing off: inside the inline attention's reductions they sit in the innermost loop
-# (one per key row per head) and keep it from being hoisted and vectorised. Every indirect index in
-# our graphs is in range by construction: block ids are clamped in kernels/inline_attention.py,
-# token ids are checked against the vocabulary by engine/input_processor.py, positions against
-# max_model_len, and the KV write with its slot mapping is an opaque op Inductor does not index.
-INDUCTOR_SETTINGS = {"assert_indirect_indexing": False}
 _STEP_RECORD = "step"
 _GEMV_RECORD = "gemv"
 
@@ -201,7 +194,6 @@ def step_component_versions(
     return {
         "attention_backend": attention_backend.version if attention_backend is not None else "torch",
         "compiled_step": COMPILED_STEP_VERSION,
-        "inductor_settings": repr(sorted(INDUCTOR_SETTINGS.items())),
         "passes": passes.version(),
         "freeze_parameters": FreezeParameters.version,
         "constant_recipes": CONSTANT_RECIPES_VERSION,
@@ -447,10 +439,7 @@ class CompiledStep:
             )
         graph, gemv, inline = self._bucket_graph(bucket)
         # Float attributes (the attention scale) stay Python floats, as in the capture.
-        with (
-            torch._dynamo.config.patch(specialize_float=True),
-            torch._inductor.config.patch(INDUCTOR_SETTINGS),
-        ):
+        with torch._dynamo.config.patch(specialize_float=True):
             if bucket is None:
                 return (
                     torch._inductor.standalone_compile(
