@@ -965,7 +965,22 @@ def plan_sections(
             measured_steps=TIMING_MEASURED_STEPS,
         )
     sections.append(Section("3. Decode timings", "timings", timing_section(plan, device, budget)))
-    return sections + rest_compiled
+    return select_sections(sections + rest_compiled, args.only)
+
+
+# Always run: the environment is the report's header, and parity cases read the models it builds.
+ALWAYS_RUN = ("1. Environment", "2. Parity models")
+
+
+def select_sections(sections: list[Section], only: str | None) -> list[Section]:
+    """Keep the sections whose title contains one of `only`'s comma-separated words (any case).
+
+    For a second, shorter device call that reruns only what failed in the first.
+    """
+    if not only:
+        return sections
+    words = [w.strip().lower() for w in only.split(",") if w.strip()]
+    return [s for s in sections if s.title in ALWAYS_RUN or any(w in s.title.lower() for w in words)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -979,6 +994,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="CPU smoke sizes: tiny llama fp32, 4 prompts")
     parser.add_argument("--timing-dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated words: run only sections whose title contains one (e.g. 'graphs,qwen3')",
+    )
     args = parser.parse_args(argv)
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")

@@ -170,3 +170,17 @@ def test_compare_excuses_only_near_ties():
     # bf16: a one-ulp tie at logit 3 (2**-6 apart) is excused; fp32's 1e-4 would not excuse it.
     assert tie_tolerance("bfloat16", 3.0) >= 2.0**-6 > tie_tolerance("float32", 3.0)
     assert tie_tolerance("bfloat16", 0.5) == 1e-2
+
+
+def test_only_keeps_matching_sections_and_the_ones_they_need():
+    from bench.gpu_check import ALWAYS_RUN, Section, select_sections
+
+    def noop(report):
+        return None
+
+    titles = [*ALWAYS_RUN, "Bucket graphs", "parity tiny-qwen3 bfloat16 compiled", "3. Decode timings"]
+    sections = [Section(t, "x", noop) for t in titles]
+    assert select_sections(sections, None) == sections
+    kept = [s.title for s in select_sections(sections, "graphs, QWEN3")]
+    assert kept == [*ALWAYS_RUN, "Bucket graphs", "parity tiny-qwen3 bfloat16 compiled"]
+    assert [s.title for s in select_sections(sections, "no such section")] == list(ALWAYS_RUN)
