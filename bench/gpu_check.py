@@ -132,11 +132,8 @@ def run_sections(sections: list[Section], report: Report, budget: Budget) -> Non
         try:
             section.run(report)
         except Exception as exc:  # one failure must not lose the rest of a short device session
-            report.line(f"- ERROR: {type(exc).__name__}: {exc}")
-            report.line("```")
-            for tb_line in traceback.format_exc().rstrip().splitlines()[-12:]:
-                report.line(tb_line)
-            report.line("```")
+            for err_line in error_lines(exc):
+                report.line(err_line)
             target = report.parity_failures if section.kind == PARITY_SECTION else report.section_errors
             target.append(f"{section.title}: {type(exc).__name__}")
         finally:
@@ -144,6 +141,30 @@ def run_sections(sections: list[Section], report: Report, budget: Budget) -> Non
         report.line(
             f"- section time {time.perf_counter() - started:.1f} s (run total {budget.elapsed():.0f} s)"
         )
+
+
+ERROR_MESSAGE_LINES = 4
+ERROR_FRAMES = 16
+
+
+def error_lines(exc: BaseException) -> list[str]:
+    """The error's first message lines and the Python frames of its innermost cause.
+
+    Torch's messages can carry pages of C++ frames: those are cut, the Python frames kept.
+    """
+    message = str(exc).strip().splitlines() or [""]
+    lines = [f"- ERROR: {type(exc).__name__}: {message[0]}", "```"]
+    lines += message[1:ERROR_MESSAGE_LINES]
+    innermost = exc
+    while innermost.__cause__ is not None or innermost.__context__ is not None:
+        innermost = innermost.__cause__ or innermost.__context__
+    if innermost is not exc:
+        inner_message = (str(innermost).strip().splitlines() or [""])[0]
+        lines.append(f"innermost: {type(innermost).__name__}: {inner_message}")
+    for frame in traceback.extract_tb(innermost.__traceback__)[-ERROR_FRAMES:]:
+        lines.append(f"  {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}")
+    lines.append("```")
+    return lines
 
 
 def _release_memory() -> None:

@@ -184,3 +184,22 @@ def test_only_keeps_matching_sections_and_the_ones_they_need():
     kept = [s.title for s in select_sections(sections, "graphs, QWEN3")]
     assert kept == [*ALWAYS_RUN, "Bucket graphs", "parity tiny-qwen3 bfloat16 compiled"]
     assert [s.title for s in select_sections(sections, "no such section")] == list(ALWAYS_RUN)
+
+
+def test_error_lines_keep_python_frames_of_the_innermost_cause():
+    from bench.gpu_check import error_lines
+
+    def inner():
+        raise RuntimeError("Cannot call numel()\n" + "".join(f"frame #{i}: c10\n" for i in range(4)))
+
+    try:
+        try:
+            inner()
+        except RuntimeError as cause:
+            raise ValueError("backend failed") from cause
+    except ValueError as exc:
+        lines = error_lines(exc)
+    assert lines[0] == "- ERROR: ValueError: backend failed"
+    assert "innermost: RuntimeError: Cannot call numel()" in lines
+    assert any(" in inner: " in line for line in lines)
+    assert not any("frame #3" in line for line in lines)

@@ -38,6 +38,7 @@ from torch import fx
 
 from compiled_engine.graphs.constant_recipes import concat_recipe, recipe_of, record_recipe, zero_rows_recipe
 from compiled_engine.graphs.pass_manager import PassResult
+from compiled_engine.graphs.passes.fake_values import fake_evaluation
 from compiled_engine.graphs.passes.freeze_parameters import register_constant
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.ops.aten.linear, torch.ops.aten.linear.default)
@@ -222,7 +223,7 @@ class FuseLinears:
             contiguous = [graph.call_method("contiguous", (part,)) for part in parts]
 
         if fake_mode is not None:
-            with fake_mode:
+            with fake_evaluation(fake_mode):
                 fake_weight = fake_mode.from_tensor(fused.weight, static_shapes=True)
                 fake_bias = (
                     None if fused.bias is None else fake_mode.from_tensor(fused.bias, static_shapes=True)

@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from compiled_engine.graphs.pass_manager import PassResult
+from compiled_engine.graphs.passes.fake_values import fake_evaluation
 from compiled_engine.graphs.passes.fuse_linears import linear_operands
 
 
@@ -79,7 +80,7 @@ def _annotate(nodes: list[fx.Node]) -> None:
             return  # an operand without a fake value: leave the rest unannotated too
         args = [_fake(a) if isinstance(a, fx.Node) else a for a in node.args]
         # The operands' own mode: the one in a tracing context may be another instance.
-        with fakes[0].fake_mode:
+        with fake_evaluation(fakes[0].fake_mode):
             if node.op == "call_method":
                 value = getattr(args[0], str(node.target))(*args[1:])
             else:

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import compiled_engine.kernels  # noqa: F401  (registers torch.ops.compiled_engine.paged_attention)
 from compiled_engine.graphs.pass_manager import PassResult
+from compiled_engine.graphs.passes.fake_values import fake_evaluation
 from compiled_engine.graphs.step_inputs import STEP_METADATA_TARGETS
 
 SDPA_TARGETS = (
@@ -158,7 +159,7 @@ def _set_fake_value(node: fx.Node) -> None:
     if not fakes:
         return
     fake_mode = fakes[0].fake_mode
-    with fake_mode:
+    with fake_evaluation(fake_mode):
         if node.op == "call_method":
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
