@@ -67,6 +67,7 @@ from compiled_engine.graphs.passes.freeze_parameters import FreezeParameters
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.graphs.passes.inline_attention import InlineAttention
+from compiled_engine.graphs.standalone_compile import compile_with_fake_mode
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.kernels.inline_attention import INLINE_ATTENTION_VERSION
@@ -452,9 +453,7 @@ class CompiledStep:
             # block count, or to anything else that happens to match.
             fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
             example = self._bucket_example_inputs(bucket, fake_mode)
-            compiled = torch._inductor.standalone_compile(
-                graph, example, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
-            )
+            compiled = compile_with_fake_mode(graph, example, fake_mode)
             return compiled, graph, BucketVariant(gemv, inline)
 
     def _save(self, bucket: int | None, compiled: Any, graph: fx.GraphModule, variant: BucketVariant) -> bool:

@@ -128,3 +128,38 @@ def test_decode_buckets_inline_the_attention_on_cpu(setup):
     # The traced graph itself is untouched (the variant is a copy sharing its weights).
     traced = [n.target for n in compiled.traced.graph.graph.nodes if n.op == "call_function"]
     assert sum(t in PAGED_ATTENTION_TARGETS for t in traced) == num_layers
+
+
+def test_bucket_compile_without_standalone_compiles_fake_mode_argument(llama_dir, monkeypatch):
+    """torch 2.11's standalone_compile has no fake_mode=: the mode goes in by the tracing context."""
+    from compiled_engine.graphs import standalone_compile as compat
+
+    calls = []
+    real = torch._inductor.standalone_compile
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "TAKES_FAKE_MODE", False)
+    monkeypatch.setattr(torch._inductor, "standalone_compile", spy)
+    loaded = load_model(llama_dir, dtype="float32")
+    mc = loaded.model_config
+    torch.manual_seed(0)
+    caches = [
+        torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim) for _ in range(mc.num_layers)
+    ]
+    buffers = InputBuffers(64, 6, 256, BLOCK_SIZE, torch.device("cpu"))
+    compiled = CompiledStep(loaded.model, caches, buffers.whole(), (2,))
+    eager = capture_model(loaded.model, caches)
+    spec = [(1, 5, True), (1, 40, True)]
+    before = [c.clone() for c in caches]
+    with torch.inference_mode():
+        expected = eager(buffers.prepare(_step(spec)).inputs).clone()
+        for cache, saved in zip(caches, before, strict=True):
+            cache.copy_(saved)
+        logits = compiled(buffers.prepare(_step(spec)).inputs)
+    assert 2 in compiled.compiled_buckets
+    assert [c["dynamic_shapes"] for c in calls] == ["from_tracing_context"]
+    assert "fake_mode" not in calls[0]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)

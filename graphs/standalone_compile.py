@@ -1,0 +1,43 @@
+"""Inductor's standalone_compile over fake example inputs from our own FakeTensorMode.
+
+A bucket graph is compiled from fake inputs whose block-table width is symbolic, made in a
+FakeTensorMode with a shape environment of our choosing (graphs/compiled_step.py says why).
+torch >= 2.12 takes that mode as `fake_mode=`. torch 2.11 (seen on a device machine) has no
+such argument, and with dynamic_shapes="from_example_inputs" makes a fresh mode that our fakes
+do not belong to; there the mode goes in through the tracing context instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+TAKES_FAKE_MODE = "fake_mode" in inspect.signature(torch._inductor.standalone_compile).parameters
+
+
+def compile_with_fake_mode(
+    graph: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    fake_mode: FakeTensorMode,
+    *,
+    takes_fake_mode: bool | None = None,
+) -> Any:
+    """A CompiledArtifact of `graph` specialised to `example_inputs` (fakes made in `fake_mode`).
+
+    `takes_fake_mode` (default: whether this torch's standalone_compile does) picks the path.
+    """
+    if takes_fake_mode is None:
+        takes_fake_mode = TAKES_FAKE_MODE
+    if takes_fake_mode:
+        return torch._inductor.standalone_compile(
+            graph, list(example_inputs), dynamic_shapes="from_example_inputs", fake_mode=fake_mode
+        )
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return torch._inductor.standalone_compile(
+            graph, list(example_inputs), dynamic_shapes="from_tracing_context"
+        )
