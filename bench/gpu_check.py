@@ -637,6 +637,53 @@ class ParityRunner:
         return Section(title, PARITY_SECTION, run)
 
 
+def tensor_parallel_section(
+    models: list[ParityModel], device: torch.device, quick: bool
+) -> Callable[[Report], None]:
+    """Greedy outputs of tensor_parallel_size=2 against one rank (compiled), on NCCL or gloo."""
+
+    def run(report: Report) -> None:
+        from compiled_engine import LLM, SamplingParams
+
+        if device.type == "cuda" and torch.cuda.device_count() < 2:
+            report.line(f"- skipped: TP=2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+            return
+        model = models[0]
+        prompts = [
+            {"prompt_token_ids": p} for p in random_prompts(_vocab_size(model.path), 4 if quick else 16)
+        ]
+        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        buckets = QUICK_COMPILE_BUCKETS if quick else COMPILE_BUCKETS
+        outputs = {}
+        # A compile cache of its own: the sections after this one time cold compiles.
+        with tempfile.TemporaryDirectory(prefix="gpu-check-tp-cache-") as cache_dir:
+            for size in (1, 2):
+                started = time.perf_counter()
+                llm = LLM(
+                    str(model.path),
+                    device=str(device),
+                    tensor_parallel_size=size,
+                    cache_dir=cache_dir,
+                    **_parity_engine_kwargs(buckets),
+                )
+                try:
+                    generated = llm.generate(prompts, params, use_tqdm=False)
+                finally:
+                    llm.close()
+                outputs[size] = [list(o.outputs[0].token_ids) for o in generated]
+                seconds = time.perf_counter() - started
+                report.line(f"- {model.label} fp32 compiled, TP={size}: start + generate {seconds:.1f} s")
+                del llm
+        same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
+        report.line(f"- TP=2 vs TP=1: {same} of {len(prompts)} prompts identical")
+        if same != len(prompts):
+            raise AssertionError(
+                f"TP=2 greedy outputs differ from one rank's in {len(prompts) - same} prompts"
+            )
+
+    return run
+
+
 def _format_compile_seconds(seconds: dict[int | None, float]) -> str:
     return (
         ", ".join(f"{'dynamic' if b is None else b}: {s:.1f}" for b, s in seconds.items()) or "none compiled"
@@ -940,6 +987,13 @@ def plan_sections(
     sections.append(Section("2. Parity models", PARITY_SECTION, build_models))
     sections.append(
         Section("Engine start, KV cache sized by the engine", "start", sized_start_section(models, device))
+    )
+    sections.append(
+        Section(
+            "Tensor parallel, 2 ranks vs 1",
+            PARITY_SECTION,
+            tensor_parallel_section(models, device, args.quick),
+        )
     )
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
     buckets = QUICK_COMPILE_BUCKETS if args.quick else COMPILE_BUCKETS

@@ -39,6 +39,7 @@ import torch
 from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed, Unsupported
 
+from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.errors import UnsupportedModelError
 from compiled_engine.graphs.attention_interface import (
     ATTENTION_NAME,
@@ -58,6 +59,7 @@ from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLin
 from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
 from compiled_engine.graphs.passes.noop_elimination import NoopElimination
 from compiled_engine.graphs.passes.select_attention_backend import SelectAttentionBackend
+from compiled_engine.graphs.passes.tensor_parallel import ShardForTensorParallel
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 from compiled_engine.kernels.backends import AttentionBackend
 
@@ -74,6 +76,7 @@ def default_pass_manager(
     num_attention_layers: int | None,
     fused_weights: FusedWeightCache | None = None,
     attention_backend: AttentionBackend | None = None,
+    tensor_parallel: TensorParallelLayout | None = None,
 ) -> PassManager:
     """Lower direct SDPA, drop no-ops, the dead mask subgraph and marker, then refuse leftover attention.
 
@@ -82,10 +85,14 @@ def default_pass_manager(
     No-op elimination runs after the rewriting passes (so it also sees the nodes they add)
     and before DCE, which removes what it leaves unused (the other operand of a dropped
     `type_as`). With `attention_backend` other than "torch", a last pass points the attention
-    calls at that backend's op. With COMPILED_ENGINE_DUMP_GRAPHS=DIR set when the manager is made,
+    calls at that backend's op. With `tensor_parallel` (this rank's layout), a first pass inserts
+    the collectives that make the sharded weights' partial outputs whole. With
+    COMPILED_ENGINE_DUMP_GRAPHS=DIR set when the manager is made,
     every graph it processes is written to DIR before and after each pass (graphs/graph_dump.py).
     """
     passes: list[GraphPass] = [LowerSdpa()]
+    if tensor_parallel is not None:
+        passes.insert(0, ShardForTensorParallel(tensor_parallel))
     if fused_weights is not None:
         passes.append(FuseLinears(fused_weights))
     passes += [
@@ -238,6 +245,7 @@ def capture_model(
     graph_compiler: GraphCompiler | None = None,
     fuse_linears: bool = False,
     attention_backend: AttentionBackend | None = None,
+    tensor_parallel: TensorParallelLayout | None = None,
 ) -> CapturedModel:
     """Prepare `model` for serving with paged attention; graphs are traced on first calls.
 
@@ -247,6 +255,7 @@ def capture_model(
     HF models are switched to our attention implementation. `fuse_linears`: freeze the weights
     into the graphs and fuse sibling linears (module docstring). `attention_backend`: the
     paged-attention implementation the graphs call (kernels/backends.py; default the torch op).
+    `tensor_parallel`: the layout `model`'s weights were loaded in (model_loader/loader.py).
     """
     _check_kv_caches(kv_caches)
     register_paged_attention()
@@ -259,6 +268,6 @@ def capture_model(
     # One cache per captured model: its graphs share one copy of each concatenated weight.
     fused_weights = FusedWeightCache() if fuse_linears else None
     pass_manager = default_pass_manager(
-        type(model).__name__, len(kv_caches), fused_weights, attention_backend
+        type(model).__name__, len(kv_caches), fused_weights, attention_backend, tensor_parallel
     )
     return CapturedModel(model, kv_caches, pass_manager, graph_compiler, freeze_parameters=fuse_linears)

@@ -12,7 +12,8 @@ Fields (all strings, so a manifest reads and diffs as-is in JSON):
   graphs/constant_recipes.py);
 - engine.*: dtype, block size, buckets, max_num_seqs, max_num_batched_tokens, KV-cache
   layout (not its block count: that stays symbolic in the graphs, so a cache sized from free
-  memory does not miss), linear fusion, attention backend;
+  memory does not miss), linear fusion, attention backend, tensor-parallel rank/size (each
+  rank's graphs differ: its slice of the vocabulary is a constant in them);
 - versions.*: python, torch, triton, transformers, and every pass / op / step version;
 - device.*: kind and capability (CUDA compute capability and name; CPU instruction set).
 """
@@ -46,6 +47,7 @@ class GraphOptions:
     kv_cache_shape: tuple[int, ...]  # the cache layout without its block count (symbolic in graphs)
     fuse_linears: bool
     attention_backend: str
+    tensor_parallel: str = "1"  # "rank/size" when sharded: each rank's graphs differ
 
 
 def _sha(text: str) -> str:
@@ -109,6 +111,7 @@ def build_manifest(
             "engine.kv_cache_shape": "x".join(map(str, options.kv_cache_shape)),
             "engine.fuse_linears": str(options.fuse_linears),
             "engine.attention_backend": options.attention_backend,
+            "engine.tensor_parallel": options.tensor_parallel,
         }
     )
     manifest.update(

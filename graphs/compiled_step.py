@@ -42,6 +42,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.bucket_graphs import BUCKET_GRAPHS_VERSION, BucketGraphs
 from compiled_engine.graphs.buckets import bucket_for, bucket_shape, check_buckets, pad_step
 from compiled_engine.graphs.calling_convention import CallingConvention
@@ -142,6 +143,7 @@ class TracedStep:
         kv_caches: list[torch.Tensor],
         fuse_linears: bool = True,
         attention_backend: AttentionBackend | None = None,
+        tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
         recorded: list[tuple[fx.GraphModule, list[Any], CallingConvention]] = []
 
@@ -156,6 +158,7 @@ class TracedStep:
             graph_compiler=record,
             fuse_linears=fuse_linears,
             attention_backend=attention_backend,
+            tensor_parallel=tensor_parallel,
         )
         with fx_config.patch(use_duck_shape=False), torch.inference_mode():
             captured(_trace_inputs(kv_caches[0].device))
@@ -186,11 +189,13 @@ class BucketBuild:
 
 
 def step_component_versions(
-    fuse_linears: bool, attention_backend: AttentionBackend | None = None
+    fuse_linears: bool,
+    attention_backend: AttentionBackend | None = None,
+    tensor_parallel: TensorParallelLayout | None = None,
 ) -> dict[str, str]:
     """Versions of every piece that shapes the compiled graphs, for the compile-cache manifest."""
     passes = default_pass_manager(
-        "<any>", None, FusedWeightCache() if fuse_linears else None, attention_backend
+        "<any>", None, FusedWeightCache() if fuse_linears else None, attention_backend, tensor_parallel
     )
     return {
         "attention_backend": attention_backend.version if attention_backend is not None else "torch",
@@ -233,9 +238,11 @@ class CompiledStep:
         cache: CacheEntry | None = None,
         runtime: DeviceRuntime | None = None,
         attention_backend: AttentionBackend | None = None,
+        tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend
+        self.tensor_parallel = tensor_parallel
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.fuse_linears = fuse_linears
@@ -341,7 +348,9 @@ class CompiledStep:
 
     def _trace(self) -> TracedStep:
         if self.traced is None:
-            self.traced = TracedStep(self.model, self.kv_caches, self.fuse_linears, self.attention_backend)
+            self.traced = TracedStep(
+                self.model, self.kv_caches, self.fuse_linears, self.attention_backend, self.tensor_parallel
+            )
             self.num_traces += 1
             if self.cache is not None:
                 self.cache.write_record(_STEP_RECORD, {"sources": list(self.traced.convention.sources)})

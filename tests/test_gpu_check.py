@@ -203,3 +203,9 @@ def test_error_lines_keep_python_frames_of_the_innermost_cause():
     assert "innermost: RuntimeError: Cannot call numel()" in lines
     assert any(" in inner: " in line for line in lines)
     assert not any("frame #3" in line for line in lines)
+
+
+def test_quick_run_checks_tensor_parallel_on_gloo(quick_run):
+    proc, _ = quick_run
+    assert "### Tensor parallel, 2 ranks vs 1" in proc.stdout
+    assert "- TP=2 vs TP=1: 4 of 4 prompts identical" in proc.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -12,6 +13,9 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.core.scheduler import Scheduler, SchedulerConfig
+from compiled_engine.distributed.broadcasting_runner import BroadcastingRunner
+from compiled_engine.distributed.process_group import RendezvousAddress
+from compiled_engine.distributed.runtime import TensorParallelRuntime
 from compiled_engine.engine.engine_core import EngineCore
 from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt
 from compiled_engine.engine.output_processor import OutputProcessor
@@ -74,7 +78,35 @@ class LLMEngine:
         async_scheduling: bool | None = None,
         attention_backend: str = "auto",
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        _tensor_parallel_rank: tuple[int, RendezvousAddress] | None = None,
     ) -> None:
+        """`_tensor_parallel_rank` is for worker processes only (distributed/worker_main.py)."""
+        # Everything but the model and the device: what _build needs, and (with the device and size) what a
+        # tensor-parallel worker needs to build its own rank of this engine.
+        options = {
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "block_size": block_size,
+            "num_kv_blocks": num_kv_blocks,
+            "kv_cache_memory": kv_cache_memory,
+            "seed": seed,
+            "enforce_eager": enforce_eager,
+            "compile_buckets": None if compile_buckets is None else tuple(compile_buckets),
+            "fuse_linears": fuse_linears,
+            "cache_dir": cache_dir,
+            "async_scheduling": async_scheduling,
+            "attention_backend": attention_backend,
+            "enable_prefix_caching": enable_prefix_caching,
+        }
+        worker_kwargs = {
+            "model": model,
+            **options,
+            "device": None if device is None else str(device),
+            "tensor_parallel_size": tensor_parallel_size,
+        }
         dev = (
             torch.device(device)
             if device is not None
@@ -82,6 +114,59 @@ class LLMEngine:
         )
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("block_size", block_size)
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
+        self.tensor_parallel: TensorParallelRuntime | None = None
+        if tensor_parallel_size > 1:
+            if async_scheduling:
+                raise ValueError(
+                    "async_scheduling=True is not supported with tensor_parallel_size > 1: every rank "
+                    "runs each step as rank 0 scheduled it (the synchronous loop)"
+                )
+            options["async_scheduling"] = False
+            if dev.type == "cuda":
+                rank = 0 if _tensor_parallel_rank is None else _tensor_parallel_rank[0]
+                dev = torch.device("cuda", rank)
+                torch.cuda.set_device(dev)
+            self.tensor_parallel = TensorParallelRuntime.start(
+                tensor_parallel_size, dev, worker_kwargs, _tensor_parallel_rank
+            )
+        try:
+            self._build(model, dev, **options)
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.abort()
+            raise
+        if self.tensor_parallel is not None:
+            # Ends the workers when the engine is collected or the process exits.
+            self._finalizer = weakref.finalize(self, self.tensor_parallel.close)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any) and leave their process group."""
+        if self.tensor_parallel is not None:
+            self._finalizer()
+
+    def _build(
+        self,
+        model: str,
+        dev: torch.device,
+        *,
+        dtype: str,
+        max_model_len: int | None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int | None,
+        block_size: int,
+        num_kv_blocks: int | None,
+        kv_cache_memory: int | None,
+        seed: int,
+        enforce_eager: bool,
+        compile_buckets: Sequence[int] | None,
+        fuse_linears: bool,
+        cache_dir: str | None,
+        async_scheduling: bool | None,
+        attention_backend: str,
+        enable_prefix_caching: bool,
+    ) -> None:
+        tp = self.tensor_parallel
         if async_scheduling is None:
             async_scheduling = ASYNC_SCHEDULING_DEFAULT.get(dev.type, False)
         elif not isinstance(async_scheduling, bool):
@@ -90,8 +175,12 @@ class LLMEngine:
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         # Inductor's CPU probes run while the model loads (graphs/inductor_warmup.py).
         cpu_probes = None if enforce_eager else start_cpu_probes(dev)
-        loaded: LoadedModel = load_model(model, dtype=dtype, device=dev)
+        loaded: LoadedModel = load_model(
+            model, dtype=dtype, device=dev, tensor_parallel=(tp.rank, tp.world_size) if tp else None
+        )
         mc = loaded.model_config
+        # This rank's share of the KV heads (all of them without tensor parallelism).
+        kv_heads = loaded.tensor_parallel.local_kv_heads if loaded.tensor_parallel else mc.num_kv_heads
         limit = mc.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -104,13 +193,11 @@ class LLMEngine:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
 
-        block_bytes = kv_cache.bytes_per_block(
-            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype
-        )
+        block_bytes = kv_cache.bytes_per_block(mc.num_layers, block_size, kv_heads, mc.head_dim, mc.dtype)
 
         def allocate(num_blocks: int) -> list[torch.Tensor]:
             return kv_cache.allocate_kv_caches(
-                mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, mc.dtype, dev
+                mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim, mc.dtype, dev
             )
 
         def build_runner(caches: list[torch.Tensor]) -> ModelRunner:
@@ -130,6 +217,7 @@ class LLMEngine:
                 cache_dir=cache_dir,
                 async_scheduling=async_scheduling,
                 attention_backend=attention_backend,
+                tensor_parallel=loaded.tensor_parallel,
             )
             runner.warm_up()
             return runner
@@ -165,6 +253,9 @@ class LLMEngine:
                 kv_cache.blocks_for_memory(memory, block_bytes),
                 kv_cache.useful_block_limit(max_num_seqs, max_model_len, block_size),
             )
+            if tp is not None:
+                # Every rank must hold the same blocks: the smallest count that fits on all.
+                num_kv_blocks = tp.group.agree_min(num_kv_blocks)
             if num_kv_blocks < 1:
                 raise ValueError(
                     f"{memory} bytes of KV cache memory do not hold one block ({block_bytes} bytes)"
@@ -211,6 +302,9 @@ class LLMEngine:
             )
         )
         runner.timeline = RunnerTimeline()  # start-up steps are not part of serving's timeline
+        if tp is not None and tp.workers is not None:
+            # Rank 0: each step (and what shapes it) reaches every rank before it runs here.
+            runner = BroadcastingRunner(runner, tp.group, tp.workers)
         self.core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
         self.input_processor = InputProcessor(self.tokenizer, mc, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -48,6 +48,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="paged-attention kernels (default auto: triton on CUDA when installed, else torch)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over this many ranks (this process plus worker processes)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         choices=["auto", "on", "off"],
         default="auto",
@@ -110,6 +116,7 @@ def _llm(args: argparse.Namespace, **extra):
         attention_backend=args.attention_backend,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
         **extra,
     )
 

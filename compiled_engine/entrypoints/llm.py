@@ -35,6 +35,7 @@ class LLM:
         async_scheduling: bool | None = None,
         attention_backend: str = "auto",
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
         `compile_buckets` overrides the token-count buckets compiled otherwise
@@ -50,7 +51,9 @@ class LLM:
         tests) or "flashinfer" (kernels/backends.py); `enable_prefix_caching` keeps computed KV blocks
         and lets later requests whose tokens start the same way (a shared system prompt, the n
         samples of one prompt, a recompute after preemption) reuse them instead of computing them
-        again (core/kv_cache_manager.py; `stats()` reports the hit rate)."""
+        again (core/kv_cache_manager.py; `stats()` reports the hit rate); `tensor_parallel_size`
+        shards the model over that many ranks, this process and N-1 worker processes it starts
+        (compiled_engine/distributed/; `close()` or collecting the LLM stops them)."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
@@ -72,7 +75,12 @@ class LLM:
             async_scheduling=async_scheduling,
             attention_backend=attention_backend,
             enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes now (a no-op for a single-rank engine)."""
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -10,6 +10,8 @@ No random init (the model is built with no storage at all), no pickle, no networ
      onto `device`, cast it, and assign it in place of the meta parameter — tied parameters (lm_head
      sharing the embedding) get one tensor under every name;
   5. check that nothing is left on meta and freeze every parameter.
+With `tensor_parallel=(rank, world_size)`, step 4 reads only the slice of each tensor that rank
+holds (compiled_engine/distributed/layout.py), straight from the file.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from compiled_engine.distributed.layout import VOCAB_EMBEDDING, TensorParallelLayout
 from compiled_engine.errors import ModelLoadError, UnsupportedModelError
 from compiled_engine.model_loader.model_config import SUPPORTED_DTYPES, ModelConfig, config_dtype
 
@@ -50,10 +53,19 @@ class LoadedModel:
     model: PreTrainedModel  # eval mode, every parameter requires_grad=False
     model_config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None when the folder has no tokenizer files
+    tensor_parallel: TensorParallelLayout | None = None  # this rank's slices, when sharded
 
 
-def load_model(model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
-    """Load the causal LM in `model_dir` in `dtype` ("auto" | "float32" | "bfloat16" | "float16")."""
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    tensor_parallel: tuple[int, int] | None = None,
+) -> LoadedModel:
+    """Load the causal LM in `model_dir` in `dtype` ("auto" | "float32" | "bfloat16" | "float16").
+
+    `tensor_parallel=(rank, world_size)`: load only that rank's slice of every sharded weight.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist or is not a directory")
@@ -70,11 +82,23 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str | torch.d
     )
 
     model = _build_on_meta(model_class, hf_config, target_dtype, model_dir)
+    layout = TensorParallelLayout.for_model(model, *tensor_parallel) if tensor_parallel else None
     _materialise_non_persistent_buffers(model, device, model_dir)
-    _assign_weights(model, _read_tensors(shards, device), target_dtype, model_dir)
+    _assign_weights(model, _read_tensors(shards, device, layout), target_dtype, model_dir, layout)
     _check_nothing_on_meta(model, model_dir)
+    if layout is not None:
+        for path, style in layout.communicating_modules:
+            if style == VOCAB_EMBEDDING:
+                # Ids are shifted into this rank's rows by the graph; padding_idx (a training
+                # detail) would name a row of the whole table.
+                model.get_submodule(path).padding_idx = None
     model.eval()
-    return LoadedModel(model=model, model_config=model_config, tokenizer=_load_tokenizer(model_dir))
+    return LoadedModel(
+        model=model,
+        model_config=model_config,
+        tokenizer=_load_tokenizer(model_dir),
+        tensor_parallel=layout,
+    )
 
 
 def _names(names) -> str:
@@ -232,7 +256,11 @@ def _find_weight_files(model_dir: Path) -> dict[Path, frozenset[str] | None]:
     )
 
 
-def _read_tensors(shards: dict[Path, frozenset[str] | None], device: torch.device) -> dict[str, torch.Tensor]:
+def _read_tensors(
+    shards: dict[Path, frozenset[str] | None],
+    device: torch.device,
+    layout: TensorParallelLayout | None = None,
+) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path, promised in shards.items():
         try:
@@ -247,10 +275,22 @@ def _read_tensors(shards: dict[Path, frozenset[str] | None], device: torch.devic
                         raise ModelLoadError(
                             f"tensor {name} appears in more than one shard (again in {path})"
                         )
-                    tensors[name] = reader.get_tensor(name)
+                    tensors[name] = _read_tensor(reader, name, layout)
         except (safetensors.SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
     return tensors
+
+
+def _read_tensor(reader, name: str, layout: TensorParallelLayout | None) -> torch.Tensor:
+    if layout is None:
+        return reader.get_tensor(name)
+    tensor_slice = reader.get_slice(name)
+    full_shape = tuple(tensor_slice.get_shape())
+    shard = layout.shard(name, full_shape)
+    if shard is None:
+        return reader.get_tensor(name)
+    # Only the rank's rows (or columns) are read from the file.
+    return tensor_slice[shard.index(len(full_shape))]
 
 
 def _fp32_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
@@ -265,7 +305,11 @@ def _fp32_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
 
 
 def _assign_weights(
-    model: PreTrainedModel, tensors: dict[str, torch.Tensor], dtype: torch.dtype, model_dir: Path
+    model: PreTrainedModel,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    model_dir: Path,
+    layout: TensorParallelLayout | None = None,
 ) -> None:
     # Names that share one Parameter on the freshly built model are tied (lm_head -> embed_tokens).
     tie_groups: dict[int, list[str]] = {}
@@ -300,17 +344,32 @@ def _assign_weights(
                     f"values for {present[0]} and {other}; set tie_word_embeddings to false"
                 )
         meta_param = model.get_parameter(group[0])
-        value = _cast(source, group[0], meta_param, dtype, fp32_patterns, model_dir)
+        value = _cast(
+            source, group[0], _expected_shape(meta_param, group[0], layout), dtype, fp32_patterns, model_dir
+        )
+        if layout is not None and layout.zero_on_this_rank(group[0]):
+            value = torch.zeros_like(value)
         param = torch.nn.Parameter(value, requires_grad=False)
         for name in group:
             _set_tensor(model, name, param, is_param=True)
     for name in persistent_buffers:
-        value = _cast(tensors[name], name, model.get_buffer(name), dtype, fp32_patterns, model_dir)
+        buffer = model.get_buffer(name)
+        value = _cast(
+            tensors[name], name, _expected_shape(buffer, name, layout), dtype, fp32_patterns, model_dir
+        )
         _set_tensor(model, name, value, is_param=False)
 
     for group in tie_groups.values():
         if len({model.get_parameter(name).data_ptr() for name in group}) != 1:
             raise ModelLoadError(f"tied parameters {_names(group)} of {model_dir} do not share storage")
+
+
+def _expected_shape(
+    meta_tensor: torch.Tensor, name: str, layout: TensorParallelLayout | None
+) -> tuple[int, ...]:
+    full = tuple(meta_tensor.shape)
+    shard = layout.shard(name, full) if layout is not None else None
+    return full if shard is None else shard.shape(full)
 
 
 def _param_names(tie_groups: dict[int, list[str]]) -> set[str]:
@@ -329,15 +388,15 @@ def _matches(name: str, patterns) -> bool:
 def _cast(
     tensor: torch.Tensor,
     name: str,
-    meta_tensor: torch.Tensor,
+    expected_shape: tuple[int, ...],
     dtype: torch.dtype,
     fp32_patterns: list[str],
     model_dir: Path,
 ) -> torch.Tensor:
-    if tensor.shape != meta_tensor.shape:
+    if tuple(tensor.shape) != expected_shape:
         raise ModelLoadError(
             f"tensor {name} in {model_dir} has shape {tuple(tensor.shape)}, the model expects "
-            f"{tuple(meta_tensor.shape)} (does config.json match the weights?)"
+            f"{expected_shape} (does config.json match the weights?)"
         )
     if not tensor.is_floating_point():
         return tensor

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.buckets import default_buckets
 from compiled_engine.graphs.capture import CapturedModel, capture_model
 from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache, use_inductor_cache_in
@@ -96,6 +97,7 @@ class ModelRunner:
         cache_dir: str | None = None,
         async_scheduling: bool = False,
         attention_backend: str = "auto",
+        tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
         self.device = device
         # Resolved first: an unavailable backend is a clear error before anything is built.
@@ -117,7 +119,7 @@ class ModelRunner:
         self.run_graph: Callable[[StepInputs], torch.Tensor]
         if enforce_eager:
             self.captured = self.run_graph = capture_model(
-                model, kv_caches, attention_backend=self.attention_backend
+                model, kv_caches, attention_backend=self.attention_backend, tensor_parallel=tensor_parallel
             )
         else:
             buckets = (
@@ -138,8 +140,11 @@ class ModelRunner:
                 kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
                 fuse_linears=fuse_linears,
                 attention_backend=self.attention_backend.name,
+                tensor_parallel=(
+                    f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"
+                ),
             )
-            versions = step_component_versions(fuse_linears, self.attention_backend)
+            versions = step_component_versions(fuse_linears, self.attention_backend, tensor_parallel)
             manifest = build_manifest(model, options, device, versions)
             self.cache_entry = cache.entry(manifest)
             if not self.cache_entry.exists():
@@ -152,6 +157,7 @@ class ModelRunner:
                 fuse_linears=fuse_linears,
                 cache=self.cache_entry,
                 attention_backend=self.attention_backend,
+                tensor_parallel=tensor_parallel,
             )
             self.run_graph = self.compiled_step
         self.sampler = Sampler()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 @contextmanager
@@ -21,3 +24,23 @@ def fake_evaluation(fake_mode: FakeTensorMode) -> Iterator[None]:
     """
     with fake_mode, enable_python_dispatcher():
         yield
+
+
+def set_fake_value(node: fx.Node) -> None:
+    """Fill node.meta['example_value'] from its inputs' fake values, as Dynamo would have."""
+    args, kwargs = tree_map(_example_value, (node.args, node.kwargs))
+    # The mode the inputs' fake values were made in (the backend's tracing context may hold
+    # another one, and fake modes cannot be mixed).
+    fakes = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, FakeTensor)]
+    if not fakes:
+        return
+    with fake_evaluation(fakes[0].fake_mode):
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            value = node.target(*args, **kwargs)
+    node.meta["example_value"] = value
+
+
+def _example_value(arg: Any) -> Any:
+    return arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg

@@ -29,13 +29,11 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.utils._pytree import tree_flatten, tree_map
 
 import compiled_engine.kernels  # noqa: F401  (registers torch.ops.compiled_engine.paged_attention)
 from compiled_engine.graphs.pass_manager import PassResult
-from compiled_engine.graphs.passes.fake_values import fake_evaluation
+from compiled_engine.graphs.passes.fake_values import set_fake_value
 from compiled_engine.graphs.step_inputs import STEP_METADATA_TARGETS
 
 SDPA_TARGETS = (
@@ -148,27 +146,6 @@ def _find_step_metadata(graph: fx.Graph) -> fx.Node | None:
         if node.op == "call_function" and node.target in STEP_METADATA_TARGETS:
             return node
     return None
-
-
-def _set_fake_value(node: fx.Node) -> None:
-    """Fill node.meta['example_value'] from its inputs' fake values, as Dynamo would have."""
-    args, kwargs = tree_map(_example_value, (node.args, node.kwargs))
-    # The mode the inputs' fake values were made in (the backend's tracing context may hold
-    # another one, and fake modes cannot be mixed).
-    fakes = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, FakeTensor)]
-    if not fakes:
-        return
-    fake_mode = fakes[0].fake_mode
-    with fake_evaluation(fake_mode):
-        if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            value = node.target(*args, **kwargs)
-    node.meta["example_value"] = value
-
-
-def _example_value(arg: Any) -> Any:
-    return arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg
 
 
 class LowerSdpa:
@@ -289,7 +266,7 @@ class LowerSdpa:
             # [T, Hq, D] -> [1, Hq, T, D], the layout SDPA returned.
             out = emit("call_method", "transpose", (emit("call_method", "unsqueeze", (out, 0)), 1, 2))
         for created in new_nodes:
-            _set_fake_value(created)
+            set_fake_value(created)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         return None

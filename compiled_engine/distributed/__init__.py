@@ -1,0 +1,1 @@
+"""Tensor parallelism: ranks, the weight layout, worker processes and the step broadcast."""

@@ -1,0 +1,45 @@
+"""Rank 0's runner under tensor parallelism: every call that shapes a step goes to all ranks.
+
+The engine core talks to this as to a ModelRunner. A call that changes what the next step
+computes is broadcast first (workers apply it to their own runner: worker_main.serve_runner),
+then run here; everything else is read from rank 0's runner. If a worker dies, the group's
+next collective fails at once and the error names the worker; the engine stays down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiled_engine.distributed.process_group import TensorParallelGroup
+from compiled_engine.distributed.workers import TensorParallelWorkerError, WorkerProcesses
+
+MIRRORED = ("add_request", "record_outputs", "remove_requests", "launch", "reset_after_failure")
+
+
+class BroadcastingRunner:
+    def __init__(self, runner: Any, group: TensorParallelGroup, workers: WorkerProcesses) -> None:
+        self._runner = runner
+        self._group = group
+        self._workers = workers
+        self._dead: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name in MIRRORED:
+            return lambda *args: self._mirrored(name, args)
+        return getattr(self._runner, name)
+
+    def collect(self, launched: Any) -> Any:
+        return self._mirrored("collect", (), lambda: self._runner.collect(launched))
+
+    def _mirrored(self, method: str, args: tuple, local=None) -> Any:
+        if self._dead is not None:
+            raise TensorParallelWorkerError(self._dead)
+        try:
+            self._group.broadcast((method, args))
+            return local() if local is not None else getattr(self._runner, method)(*args)
+        except Exception as exc:
+            failure = self._workers.wait_for_failure()
+            if failure is None:
+                raise
+            self._dead = f"{failure}\nthe engine cannot run steps any more; start a new one"
+            raise TensorParallelWorkerError(self._dead) from exc

@@ -1,0 +1,41 @@
+"""Tensor-parallel collectives as opaque custom ops the graphs call (graphs/passes/tensor_parallel.py).
+
+Opaque ops with fake impls, like the attention ops: Dynamo, the passes and Inductor see a call
+with a known output shape, and the call runs torch.distributed's collective on the default
+process group (the group the engine's tensor-parallel ranks joined, compiled_engine/distributed/).
+The group is the one piece of global state the graphs read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES_VERSION = "1"
+
+
+@torch.library.custom_op("compiled_engine::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over every rank (a new tensor; `x` is left alone)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out)
+    return out
+
+
+@tp_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("compiled_engine::tp_all_gather", mutates_args=())
+def tp_all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along the last dim, in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
+@tp_all_gather.register_fake
+def _(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * world_size))
