@@ -1,13 +1,14 @@
-"""Per-layer cost of CPU paged decode attention: the reference op vs the Inductor-compiled inline one.
+"""Per-layer cost of CPU paged decode attention: the reference op vs the Inductor-compiled inline one
+(all shapes static, and as the engine's decode buckets compile it: block-table width symbolic).
 
 Decode steps at bench-small's attention shape (8 q heads, 4 kv heads, head dim 64, block 16, fp32),
-static shapes, every sequence at the same context length. Each row times one layer's attention —
+every sequence at the same context length. Each row times one layer's attention —
 this step's KV write plus the attention read — and sets it against the KV-read floor: the bytes
 of K and V the step must read at least once, over the machine's measured streaming read rate.
 
     python -m bench.attention_cpu [--repeats 30] [--cases 64x512,1x512]
 
-Not a pytest suite: it compiles twice (~10-20 s cold) and its numbers only mean something on an
+Not a pytest suite: it compiles three times (~10-20 s cold) and its numbers only mean something on an
 otherwise idle machine.
 """
 
@@ -107,6 +108,21 @@ def inline_layer(
     return paged_attention_inline(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
+def inline_layer_symbolic_width(*args) -> torch.Tensor:
+    # Its own function, so Dynamo compiles it apart from inline_layer (its cache is per code object).
+    return inline_layer(*args)
+
+
+def compile_symbolic_width(inputs: tuple) -> Callable[[], torch.Tensor]:
+    """The inline layer compiled as the engine compiles a decode bucket: static token and sequence
+    counts, the block-table width and the cache's block count symbolic (graphs/compiled_step.py)."""
+    block_tables, kv_cache = inputs[5], inputs[3]
+    torch._dynamo.mark_dynamic(block_tables, 1)
+    torch._dynamo.mark_dynamic(kv_cache, 1)
+    compiled = torch.compile(inline_layer_symbolic_width, fullgraph=True, backend="inductor")
+    return lambda: compiled(*inputs)
+
+
 def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict:
     """name -> (median ms, min ms), calling the candidates in turn each round.
 
@@ -153,25 +169,37 @@ def main(argv: list[str] | None = None) -> int:
         f"block {BLOCK_SIZE}, fp32, {torch.get_num_threads()} threads, "
         f"read {read_gb_s:.1f} GB/s; ms per layer, median / min of {args.repeats}"
     )
-    columns = ("seqs x ctx", "reference eager", "inline compiled", "KV floor", "max |diff|")
-    print("{:>11} {:>17} {:>17} {:>9} {:>11}".format(*columns))
+    columns = (
+        "seqs x ctx",
+        "reference eager",
+        "inline static",
+        "inline sym. width",
+        "KV floor",
+        "max |diff|",
+    )
+    print("{:>11} {:>17} {:>17} {:>17} {:>9} {:>11}".format(*columns))
     for num_seqs, context in parse_cases(args.cases):
         step = make_decode_step(num_seqs, context)
         # Static shapes, as a shape-specialised decode bucket would be compiled.
         compiled = torch.compile(inline_layer, dynamic=False, fullgraph=True, backend="inductor")
         inputs = step.op_args(scale)
-        diff = (compiled(*inputs) - reference_layer(step, scale)).abs().max().item()
+        expected = reference_layer(step, scale)
+        symbolic = compile_symbolic_width(inputs)
+        diff = max(
+            (compiled(*inputs) - expected).abs().max().item(), (symbolic() - expected).abs().max().item()
+        )
         timings = time_interleaved(
             {
                 "reference": lambda step=step: reference_layer(step, scale),
                 "inline": lambda compiled=compiled, inputs=inputs: compiled(*inputs),
+                "symbolic": symbolic,
             },
             args.repeats,
         )
         floor = step.kv_bytes_read / (read_gb_s * 1e9) * 1e3
-        cells = [f"{med:.3f} / {best:.3f}" for med, best in (timings["reference"], timings["inline"])]
+        cells = [f"{timings[n][0]:.3f} / {timings[n][1]:.3f}" for n in ("reference", "inline", "symbolic")]
         case = f"{num_seqs} x {context}"
-        print(f"{case:>11} {cells[0]:>17} {cells[1]:>17} {floor:>9.3f} {diff:>11.1e}")
+        print(f"{case:>11} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {floor:>9.3f} {diff:>11.1e}")
         if args.share:
             step_ms = engine_decode_step_ms(num_seqs, context, args.repeats)
             layers = _bench_small_layers()
