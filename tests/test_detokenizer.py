@@ -218,3 +218,16 @@ def test_prompt_ending_mid_character_is_not_merged_into_the_output():
     shown = "".join(detok.append([t]) for t in output) + detok.flush()
     assert shown == TOKENIZER.decode(output)
     assert shown.startswith(REPLACEMENT_CHAR)
+
+
+def test_the_rust_decoder_is_used_only_where_it_equals_transformers_decode():
+    import copy
+
+    from compiled_engine.engine.detokenizer import backend_decoder
+
+    # The tests above therefore check the fast path against transformers' own decode.
+    assert backend_decoder(TOKENIZER) is not None
+    cleaning = copy.deepcopy(TOKENIZER)
+    cleaning.clean_up_tokenization_spaces = True  # transformers may then rewrite the text
+    assert backend_decoder(cleaning) is None
+    assert backend_decoder(object()) is None
