@@ -40,6 +40,7 @@ class WorkerProcesses:
         context = mp.get_context("spawn")
         self._reports: Any = context.Queue()
         self._errors: dict[int, str] = {}
+        self._joining: set[int] = set()
         self.processes = [
             context.Process(
                 target=run_worker,
@@ -54,21 +55,20 @@ class WorkerProcesses:
 
     def wait_joining(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Return once every worker is about to join the group; raise if one fails first."""
-        joining: set[int] = set()
         deadline = time.monotonic() + timeout_s
-        while len(joining) < len(self.processes):
-            self._drain(joining)
+        while len(self._joining) < len(self.processes):
             failure = self.failure()
             if failure is not None:
                 raise TensorParallelWorkerError(failure)
             if time.monotonic() > deadline:
+                missing = sorted(set(range(1, len(self.processes) + 1)) - self._joining)
                 raise TensorParallelWorkerError(
-                    f"tensor-parallel workers {sorted(set(range(1, len(self.processes) + 1)) - joining)} "
-                    f"did not start within {timeout_s:.0f} s"
+                    f"tensor-parallel workers {missing} did not start within {timeout_s:.0f} s"
                 )
             time.sleep(0.05)
 
-    def _drain(self, joining: set[int] | None = None) -> None:
+    def _drain(self) -> None:
+        """Read every report the workers have sent so far."""
         while True:
             try:
                 report: _Report = self._reports.get_nowait()
@@ -76,8 +76,8 @@ class WorkerProcesses:
                 return
             if report.kind == "error":
                 self._errors[report.rank] = report.text
-            elif joining is not None:
-                joining.add(report.rank)
+            else:
+                self._joining.add(report.rank)
 
     def failure(self) -> str | None:
         """What went wrong with the workers, if anything: who died, how, and their error."""
