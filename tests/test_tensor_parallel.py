@@ -332,3 +332,28 @@ def test_the_cli_generates_the_same_text_with_two_ranks(llama_dir):
         assert proc.returncode == 0, proc.stderr[-3000:]
         texts.append(proc.stdout)
     assert texts[0] == texts[1] and texts[0].startswith("def add(a, b):")
+
+
+def test_workers_exit_when_rank_0_is_killed(llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "from compiled_engine import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({llama_dir!r}, tensor_parallel_size=2, enforce_eager=True, device='cpu',\n"
+        "              max_model_len=64, num_kv_blocks=16)\n"
+        "    print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pids = [int(pid) for pid in rank0.stdout.readline().split()]
+        assert worker_pids and all(_alive(pid) for pid in worker_pids)
+        rank0.kill()  # SIGKILL: no cleanup code of rank 0 runs
+        rank0.wait(timeout=30)
+        assert _wait_gone(worker_pids, timeout_s=15) == []
+    finally:
+        rank0.kill()
