@@ -725,10 +725,27 @@ def _median_ms(seconds: list[float]) -> float:
     return 1e3 * statistics.median(seconds)
 
 
+HOST_PHASES = ("schedule_s", "prepare_s", "execute_s", "wait_s", "update_s")
+
+
+def host_phases_line(before, after, steps: int, wall_s: float) -> str:
+    """Mean ms per step of each phase of the engine core's timeline (EngineStats), and of what
+    the measured steps spent outside the core (output processing: detokenizing, stop strings)."""
+    cells = [
+        f"{name[:-2]} {(getattr(after, name) - getattr(before, name)) * 1e3 / steps:.3f}"
+        for name in HOST_PHASES
+    ]
+    outside = wall_s - (after.step_wall_s - before.step_wall_s)
+    cells.append(f"outside the core {outside * 1e3 / steps:.3f}")
+    return "ms per step: " + ", ".join(cells)
+
+
 def engine_decode_step_times(
-    llm, prompts: list[list[int]], plan: TimingPlan, device: torch.device
+    llm, prompts: list[list[int]], plan: TimingPlan, device: torch.device, phases: list[str] | None = None
 ) -> list[float]:
-    """Seconds of each engine step once every request is decoding, after the warm-up steps."""
+    """Seconds of each engine step once every request is decoding, after the warm-up steps.
+
+    `phases`: gets one line, the measured steps' host phases (host_phases_line)."""
     from compiled_engine import SamplingParams
 
     engine = llm.engine
@@ -742,8 +759,11 @@ def engine_decode_step_times(
         engine.add_request(request_id, processed, request_params)
         counts[request_id] = 0
     times: list[float] = []
+    before = None
     while engine.has_unfinished_requests():
         decoding = all(n > 0 for n in counts.values())
+        if decoding and len(times) == plan.warmup_steps:
+            before = engine.stats()
         _sync(device)
         started = time.perf_counter()
         outputs = engine.step()
@@ -752,7 +772,10 @@ def engine_decode_step_times(
             times.append(time.perf_counter() - started)
         for out in outputs:
             counts[out.request_id] = len(out.outputs[0].token_ids)
-    return times[plan.warmup_steps :]
+    measured = times[plan.warmup_steps :]
+    if phases is not None and before is not None and measured:
+        phases.append(host_phases_line(before, engine.stats(), len(measured), sum(measured)))
+    return measured
 
 
 class _StepClock:
@@ -832,6 +855,7 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
             if device.type == "cuda":
                 systems.append("compiled, no CUDA graphs")
         forward_notes: list[str] = []
+        phase_notes: list[str] = []
         compile_notes: list[str] = []
         for system in [*systems, "hf generate"]:
             if budget.exceeded():
@@ -876,7 +900,12 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
             load_s = time.perf_counter() - started
             cells = []
             for c in plan.concurrency:
-                ms = _median_ms(step_times(runner, prompts[c], plan, device))
+                if system == "hf generate":
+                    ms = _median_ms(step_times(runner, prompts[c], plan, device))
+                else:
+                    phases: list[str] = []
+                    ms = _median_ms(step_times(runner, prompts[c], plan, device, phases))
+                    phase_notes += [f"{system}, c={c}: {line}" for line in phases]
                 cells.append(f"{ms:.2f} ({c * 1e3 / ms:.0f})")
                 if system == "compiled":
                     forward = _graph_forward_ms(runner, c, plan.buckets, device)
@@ -894,6 +923,8 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
         report.line("")
         for note in compile_notes:
             report.line(f"- compiled: {note}")
+        for note in phase_notes:
+            report.line(f"- host phases, {note}")
         for note in forward_notes:
             report.line(f"- {note}")
 

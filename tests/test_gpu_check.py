@@ -72,6 +72,10 @@ def test_quick_run_reports_environment_backends_and_timings(quick_run):
     assert set(rows) == {"eager", "compiled", "hf generate"}, report
     assert all(ms > 0 for ms in rows.values())
     assert re.search(r"compile s per bucket: 16: [0-9.]+", report)
+    # Where an engine step's time goes on the host, per phase, for every engine system.
+    phases = re.findall(r"^- host phases, (eager|compiled), c=1: ms per step: schedule ([0-9.]+), .*"
+                        r"update ([0-9.]+), outside the core ([0-9.]+)$", report, re.MULTILINE)  # fmt: skip
+    assert {system for system, *_ in phases} == {"eager", "compiled"}, report
     assert "- parity failures: 0" in report
 
 
