@@ -68,7 +68,7 @@ def _run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def _wait_until_idle(engine: AsyncLLM, timeout: float = 10.0):
+def wait_until_idle(engine: AsyncLLM, timeout: float = 10.0):
     """The engine's stats once nothing runs or waits and every block is back in the pool."""
     deadline = time.monotonic() + timeout
     while True:
@@ -143,7 +143,7 @@ def test_concurrent_requests_share_the_batch_and_match_solo_runs(engine):
         n = len(out.outputs[0].token_ids)
         assert n == params[i].max_tokens
         assert out.outputs[0].token_ids == expected[:n]
-    stats = _wait_until_idle(engine)
+    stats = wait_until_idle(engine)
     # 20 requests x 8-12 tokens each took far fewer steps than tokens: they ran in one batch.
     assert stats.num_steps - steps_before < sum(p.max_tokens for p in params) // 4
 
@@ -161,7 +161,7 @@ def test_abort_ends_the_stream_and_frees_its_blocks(engine):
     final = outs[-1]
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert 3 <= len(final.outputs[0].token_ids) < 100
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
     # The id is free again once the request is gone.
     again = _run(_final(engine, "import os", _greedy(3), request_id="to-abort"))
     assert again.outputs[0].finish_reason == "length"
@@ -184,7 +184,7 @@ def test_leaving_the_stream_or_cancelling_aborts(engine, recorder):
             await task
 
     _run(main())
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
     for request_id in ("left", "cancelled"):
         stats = recorder.finished[request_id]
         assert stats.finish_reason == "abort" and stats.num_output_tokens < 110
@@ -221,7 +221,7 @@ def test_a_bad_request_fails_alone(engine):
     assert "vocabulary" in errors[0] and "max_model_len" in errors[1] and "empty" in errors[2]
     for out in good:
         assert out.outputs[0].token_ids == reference.outputs[0].token_ids
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
 
 
 def test_the_event_loop_keeps_running_while_steps_run(fresh_engine):

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from compiled_engine.engine.async_llm import AsyncLLM, FinishedRequestStats
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.entrypoints.openai.api_server import build_app
+from tests.test_async_llm import wait_until_idle
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -145,20 +146,6 @@ def _metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             samples[f"{sample.name}{{{labels}}}"] = sample.value
     return samples
-
-
-def _wait_until_idle(engine: AsyncLLM, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.stats()
-        if (
-            stats.num_running == 0
-            and stats.num_waiting == 0
-            and stats.num_free_kv_blocks == stats.num_kv_blocks
-        ):
-            return stats
-        assert time.monotonic() < deadline, f"engine did not go idle: {stats}"
-        time.sleep(0.02)
 
 
 def _error(exc: openai.APIStatusError) -> dict:
@@ -378,7 +365,7 @@ def test_bad_parameters_are_400_in_openai_format(client, served):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     # The engine keeps serving after refusals.
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
-    _wait_until_idle(engine)
+    wait_until_idle(engine, timeout=15.0)
 
 
 def test_too_long_prompts_are_400(client):
@@ -461,7 +448,7 @@ def test_concurrent_streams_with_disconnects_free_every_block(served):
         return await asyncio.gather(*(one(i) for i in range(64)))
 
     results = asyncio.run(main())
-    stats = _wait_until_idle(engine)
+    stats = wait_until_idle(engine, timeout=15.0)
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
     for leave_early, chunks in results:
         request_id = chunks[0].id
@@ -481,7 +468,7 @@ def test_concurrent_streams_with_disconnects_free_every_block(served):
         ).usage.completion_tokens
         == 3
     )
-    _wait_until_idle(engine)
+    wait_until_idle(engine, timeout=15.0)
     metrics = _metrics(server.url)
     assert metrics["compiled_engine:kv_cache_usage_perc{}"] == 0.0
     assert metrics["compiled_engine:num_requests_running{}"] == 0.0
@@ -503,7 +490,7 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it(served, caplog):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     conn.close()
-    _wait_until_idle(engine)
+    wait_until_idle(engine, timeout=15.0)
     (new,) = (recorder.finished[r] for r in set(recorder.finished) - before)
     assert new.finish_reason == "abort" and new.num_output_tokens < 240
     deadline = time.monotonic() + 5
@@ -515,7 +502,7 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it(served, caplog):
 
 def test_metrics_parse_and_move_with_requests(client, served):
     server, engine, _ = served
-    _wait_until_idle(engine)
+    wait_until_idle(engine, timeout=15.0)
     before = _metrics(server.url)
     resp = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=7, **GREEDY)
     after = _metrics(server.url)
