@@ -17,7 +17,7 @@ COLLECTIVES_VERSION = "1"
 @torch.library.custom_op("compiled_engine::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over every rank (a new tensor; `x` is left alone)."""
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous for the collective
     dist.all_reduce(out)
     return out
 

@@ -7,6 +7,7 @@ a user.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing
 import os
@@ -195,9 +196,7 @@ def test_pass_inserts_a_collective_per_communicating_module(llama_dir, one_rank_
 def test_pass_refuses_a_graph_missing_a_module_that_must_communicate(llama_dir, one_rank_group):
     loaded = load_model(llama_dir, tensor_parallel=(0, 1))
     layout = loaded.tensor_parallel
-    broken = TensorParallelLayout(
-        **{**layout.__dict__, "communicating_modules": (("model.extra_proj", "rowwise"),)}
-    )
+    broken = dataclasses.replace(layout, communicating_modules=(("model.extra_proj", "rowwise"),))
     mc = loaded.model_config
     inputs, caches = _step_inputs(mc.num_kv_heads, mc.head_dim, mc.num_layers)
     captured = capture_model(loaded.model, caches, tensor_parallel=broken)

@@ -13,7 +13,7 @@ from typing import Any
 from compiled_engine.distributed.process_group import TensorParallelGroup
 from compiled_engine.distributed.workers import TensorParallelWorkerError, WorkerProcesses
 
-MIRRORED = ("add_request", "record_outputs", "remove_requests", "launch", "reset_after_failure")
+MIRRORED = ("add_request", "launch", "reset_after_failure")
 
 
 class BroadcastingRunner:
@@ -27,6 +27,18 @@ class BroadcastingRunner:
         if name in MIRRORED:
             return lambda *args: self._mirrored(name, args)
         return getattr(self._runner, name)
+
+    # Only requests with sampling state (penalties, min_tokens, prompt logprobs) are affected by
+    # these two, and every rank holds the same states (add_request is mirrored): the others need
+    # no broadcast, which would otherwise be one per request per step.
+    def record_outputs(self, request_id: str, token_ids: Any) -> None:
+        if request_id in self._runner.request_states:
+            self._mirrored("record_outputs", (request_id, token_ids))
+
+    def remove_requests(self, request_ids: Any) -> None:
+        with_state = tuple(r for r in request_ids if r in self._runner.request_states)
+        if with_state:
+            self._mirrored("remove_requests", (with_state,))
 
     def collect(self, launched: Any) -> Any:
         return self._mirrored("collect", (), lambda: self._runner.collect(launched))

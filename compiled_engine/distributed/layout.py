@@ -16,6 +16,7 @@ keeps the embedding and LM head whole on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 
@@ -110,7 +111,7 @@ class TensorParallelLayout:
             for path, _ in model.named_modules()
             if (style := layout.style(path)) in COMMUNICATING_STYLES
         )
-        return cls(**{**layout.__dict__, "communicating_modules": found})
+        return dataclasses.replace(layout, communicating_modules=found)
 
     # -- styles ----------------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ def run_worker(
 
         from compiled_engine.engine.llm_engine import LLMEngine
 
-        if torch.device(engine_kwargs.get("device") or "cpu").type == "cpu":
+        device = engine_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type == "cpu":
             # The ranks share the host's cores.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         reports.put(_Report("joining", rank))
