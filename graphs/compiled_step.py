@@ -14,7 +14,8 @@
    passes: frozen weights are no longer inputs of the traced graph;
 4. compiles per bucket, lazily on first use or up front with `compile_buckets()`, a variant of
    the graph (sharing its weights) with the per-bucket rewrites: the GEMV lowering where
-   graphs/gemv_policy.py measured it to win, the inline attention maths for decode buckets on
+   graphs/gemv_policy.py measured it to win, else oneDNN over packed weights where it measured
+   that to win (graphs/passes/onednn_linear.py), the inline attention maths for decode buckets on
    CPU (graphs/passes/inline_attention.py). Static in T, S and K; the block-table width and the
    caches' block count stay symbolic (graphs/buckets.py says why). Plus once with all sizes
    dynamic for steps above the largest bucket. Each compiled graph is saved to the cache.
@@ -68,7 +69,8 @@ from compiled_engine.graphs.passes.freeze_parameters import FreezeParameters
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.graphs.passes.inline_attention import InlineAttention
-from compiled_engine.graphs.standalone_compile import compile_with_fake_mode
+from compiled_engine.graphs.passes.onednn_linear import PackLinearWeights
+from compiled_engine.graphs.standalone_compile import compile_donated, compile_with_fake_mode
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.kernels.inline_attention import INLINE_ATTENTION_VERSION
@@ -77,7 +79,7 @@ from compiled_engine.kernels.reference import REFERENCE_VERSION
 logger = logging.getLogger(__name__)
 
 # Bump when the way steps are traced, padded or called changes (it keys the compile cache).
-COMPILED_STEP_VERSION = "compiled_step-2"
+COMPILED_STEP_VERSION = "compiled_step-3"
 
 _STEP_RECORD = "step"
 _GEMV_RECORD = "gemv"
@@ -175,6 +177,7 @@ class BucketVariant(NamedTuple):
 
     gemv: bool = False  # linears lowered to multiply-sums (graphs/gemv_policy.py)
     inline_attention: bool = False  # attention as fused maths (graphs/passes/inline_attention.py)
+    packed_linears: bool = False  # linears on oneDNN-packed weights (graphs/passes/onednn_linear.py)
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,7 @@ def step_component_versions(
         "bucket_graphs": BUCKET_GRAPHS_VERSION,
         "gemv_policy": f"{GEMV_POLICY_VERSION};gemv_lowering={GemvLowering.version}",
         "inline_attention": f"{InlineAttention.version};{INLINE_ATTENTION_VERSION}",
+        "pack_linear_weights": PackLinearWeights.version,
     }
 
 
@@ -253,7 +257,7 @@ class CompiledStep:
         check_buffer_room(buffers)
         self.traced: TracedStep | None = None
         self.num_traces = 0
-        # Which buckets get the GEMV lowering: measured once per cache entry (graphs/gemv_policy.py).
+        # How each bucket runs its linears: measured once per cache entry (graphs/gemv_policy.py).
         self._gemv: GemvDecision | None = None
         self.builds: dict[int | None, BucketBuild] = {}
         self._artifacts: dict[int | None, Callable[..., Any]] = {}
@@ -375,16 +379,17 @@ class CompiledStep:
             artifact = self._load(bucket) if self.cache is not None else None
         if artifact is None:
             start = time.perf_counter()
-            compiled, graph, variant = self._compile(bucket)
+            compiled, recipes, variant = self._compile(bucket)
             seconds = time.perf_counter() - start
-            saved = self._save(bucket, compiled, graph, variant)
+            saved = self._save(bucket, compiled, recipes, variant)
             self.builds[bucket] = BucketBuild(bucket, "compiled", seconds, saved, variant)
             artifact = compiled
         self._artifacts[bucket] = artifact
         return artifact
 
     def gemv_decision(self) -> GemvDecision:
-        """Which buckets' graphs get the GEMV lowering: from the cache entry, else measured now."""
+        """How each bucket's graph runs its linears (GEMV lowering, oneDNN-packed or torch's GEMM):
+        from the cache entry, else measured now."""
         if self._gemv is not None:
             return self._gemv
         if self.cache is not None:
@@ -398,8 +403,10 @@ class CompiledStep:
             start = time.perf_counter()
             self._gemv = decide_gemv_rows(self._trace().graph, list(self.buckets))
             logger.info(
-                "GEMV lowering for buckets %s (measured in %.1f s: %s)",
+                "GEMV lowering for buckets %s, oneDNN-packed linears for %s%s (measured in %.1f s: %s)",
                 list(self._gemv.lowered_rows),
+                list(self._gemv.packed_rows),
+                " and the dynamic graph" if self._gemv.packs_dynamic else "",
                 time.perf_counter() - start,
                 self._gemv.reason,
             )
@@ -421,25 +428,28 @@ class CompiledStep:
         torch_op = self.attention_backend is None or self.attention_backend.name == "torch"
         return torch_op and bucket is not None and self.runtime.kind == "cpu" and bucket <= self.max_num_seqs
 
-    def _bucket_graph(self, bucket: int | None) -> tuple[fx.GraphModule, bool, bool]:
-        """The graph to compile for `bucket`: the traced graph, or a variant sharing its weights
-        with the GEMV lowering and/or inline attention applied. Returns (graph, gemv, inline)."""
+    def _bucket_graph(self, bucket: int | None) -> tuple[fx.GraphModule, BucketVariant]:
+        """The graph to compile for `bucket`: a variant of the traced graph (sharing its weights)
+        with the per-bucket rewrites applied, and which ones."""
         graph = self._trace().graph
         gemv = bucket is not None and self.gemv_decision().lowers(bucket)
         inline = self.inlines_attention(bucket)
-        if not gemv and not inline:
-            return graph, False, False
+        packed = not gemv and self.gemv_decision().packs(bucket)
+        # Always a variant, even with no rewrite: the compile takes ownership of its graph.
         variant = share_graph_module(graph)
         if gemv:
             GemvLowering(max_rows=bucket, rows_hint=bucket)(variant)
+        if packed:
+            PackLinearWeights()(variant)
         if inline:
             InlineAttention()(variant)
         variant.graph.lint()
         variant.recompile()
-        return variant, gemv, inline
+        return variant, BucketVariant(gemv, inline, packed)
 
-    def _compile(self, bucket: int | None) -> tuple[Any, fx.GraphModule, BucketVariant]:
-        """Inductor-compile `bucket`'s graph; returns the artifact, the graph and its variant."""
+    def _compile(self, bucket: int | None) -> tuple[Any, list[Recipe] | str, BucketVariant]:
+        """Inductor-compile `bucket`'s graph. Returns the artifact, the recipes of its lifted
+        weights (or why it has none: then it cannot be saved), and its variant."""
         traced = self._trace()
         if traced.convention != self.convention:
             raise RuntimeError(
@@ -447,32 +457,30 @@ class CompiledStep:
                 f"for this manifest ({self.cache.dir if self.cache else '?'}); a graph-shaping option "
                 "is missing from the manifest. Delete that entry to rebuild it."
             )
-        graph, gemv, inline = self._bucket_graph(bucket)
+        graph, variant = self._bucket_graph(bucket)
+        try:  # read before the compile, which owns (and may change) the graph
+            recipes: list[Recipe] | str = lifted_constant_recipes(graph)
+        except ValueError as exc:
+            recipes = str(exc)
         # Float attributes (the attention scale) stay Python floats, as in the capture.
         with torch._dynamo.config.patch(specialize_float=True):
             if bucket is None:
-                return (
-                    torch._inductor.standalone_compile(
-                        graph, traced.example_inputs, dynamic_shapes="from_graph"
-                    ),
-                    graph,
-                    BucketVariant(),
-                )
+                compiled = compile_donated(graph, traced.example_inputs, dynamic_shapes="from_graph")
+                return compiled, recipes, variant
             # No duck shaping: a bucket's width example (2) must not be tied to an equal-sized
             # block count, or to anything else that happens to match.
             fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
             example = self._bucket_example_inputs(bucket, fake_mode)
-            compiled = compile_with_fake_mode(graph, example, fake_mode)
-            return compiled, graph, BucketVariant(gemv, inline)
+            return compile_with_fake_mode(graph, example, fake_mode), recipes, variant
 
-    def _save(self, bucket: int | None, compiled: Any, graph: fx.GraphModule, variant: BucketVariant) -> bool:
+    def _save(
+        self, bucket: int | None, compiled: Any, recipes: list[Recipe] | str, variant: BucketVariant
+    ) -> bool:
         """Write a compiled bucket to the cache; False (and a log line) when it cannot be saved."""
         if self.cache is None:
             return False
-        try:
-            recipes = lifted_constant_recipes(graph, recipes_from=self._trace().graph)
-        except ValueError as exc:
-            logger.info("compile cache: %s not saved: %s", _artifact_name(bucket), exc)
+        if isinstance(recipes, str):
+            logger.info("compile cache: %s not saved: %s", _artifact_name(bucket), recipes)
             return False
         with tempfile.TemporaryDirectory(prefix="compiled-engine-save-") as tmp:
             path = os.path.join(tmp, "artifact.bin")
@@ -503,7 +511,7 @@ class CompiledStep:
             self.cache.discard(self.cache.artifact_path(name), exc)
             return None
         seconds = time.perf_counter() - start
-        variant = BucketVariant(bool(header.get("gemv")), bool(header.get("inline_attention")))
+        variant = BucketVariant(*(bool(header.get(field)) for field in BucketVariant._fields))
         self.builds[bucket] = BucketBuild(bucket, "loaded", seconds, True, variant)
 
         def call_loaded(*args: Any) -> Any:

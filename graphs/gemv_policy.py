@@ -1,4 +1,10 @@
-"""Which token-count buckets get the GEMV lowering: decided by timing this machine, once.
+"""How each token-count bucket runs its linears: decided by timing this machine, once.
+
+Three forms: torch's `F.linear`; the same GEMM through oneDNN over weights packed once
+(graphs/passes/onednn_linear.py, CPU only); and the GEMV lowering (graphs/passes/gemv_lowering.py),
+for few rows. The module is named for the last, which came first; everything below about the
+lowering holds as written, and the packed form is timed beside torch's GEMM on the same inputs
+(see "Packed" at the end of this docstring).
 
 Why measure: a linear rewritten as a multiply-sum and compiled by Inductor streams the weight
 on every core where torch's one-row linear uses one (graphs/passes/gemv_lowering.py), but it
@@ -41,6 +47,14 @@ GEMV_POLICY_VERSION) so a warm start reads it from the compile cache instead of 
 
 `gemv_variant(gm, rows)` then makes the graph for a bucket: a copy of the general graph,
 sharing its weights, with every linear rewritten.
+
+Packed: where oneDNN can pack the dtype (kernels/onednn_linear.py), every measured row count
+also times the linears through it (weights packed before timing, as a warm engine has them),
+and the lowering must beat the faster GEMM form. Once the lowering is out (two losses in a row)
+row counts are timed for the two GEMM forms alone, until one has won twice in a row; larger
+row counts, and the dynamic graph above the largest bucket, take that winner. On bench-small
+(2 threads, fp32, 64 rows) oneDNN over packed weights took ~12 ms where `F.linear` took ~20
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -61,12 +75,14 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
+from compiled_engine.graphs.constant_recipes import RECIPES_META
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_operands
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
+from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear, onednn_linear_available
 
 # Bump when the measurement or the decision rule changes: cached decisions then stop loading.
-GEMV_POLICY_VERSION = "gemv_policy=2"
+GEMV_POLICY_VERSION = "gemv_policy=3"
 
 # Larger row counts are assumed GEMM after this many GEMM wins in a row.
 _GEMM_WINS_TO_STOP = 2
@@ -159,37 +175,68 @@ def linear_weight_shapes(gm: fx.GraphModule) -> list[LinearShape]:
 
 @dataclass(frozen=True)
 class RowTiming:
-    """Milliseconds of one call through all the measured linears at `rows` rows, both ways."""
+    """Milliseconds of one call through all the measured linears at `rows` rows, per form.
+
+    Medians and fastest calls; a form's fields are None where it was not timed.
+    """
 
     rows: int
-    gemm_ms: float  # median, torch's F.linear
-    gemv_ms: float  # median, Inductor-compiled prologues and multiply-sums
-    gemm_best_ms: float  # fastest call
-    gemv_best_ms: float
+    gemm_ms: float  # torch's F.linear
+    gemv_ms: float | None  # Inductor-compiled prologues and multiply-sums
+    gemm_best_ms: float
+    gemv_best_ms: float | None
+    packed_ms: float | None = None  # oneDNN over packed weights
+    packed_best_ms: float | None = None
+
+    @property
+    def packing_wins(self) -> bool:
+        """Whether oneDNN over packed weights beat torch's GEMM (fastest calls)."""
+        return self.packed_best_ms is not None and self.packed_best_ms < self.gemm_best_ms
 
     @property
     def lowering_wins(self) -> bool:
-        return self.gemm_best_ms > _MIN_SPEEDUP * self.gemv_best_ms
+        """Whether the lowering beat the faster GEMM form by _MIN_SPEEDUP (fastest calls)."""
+        if self.gemv_best_ms is None:
+            return False
+        gemm_best = self.packed_best_ms if self.packing_wins else self.gemm_best_ms
+        return gemm_best > _MIN_SPEEDUP * self.gemv_best_ms
+
+    def spreads(self) -> list[float]:
+        """Median over fastest call, per timed form."""
+        pairs = ((self.gemm_ms, self.gemm_best_ms), (self.gemv_ms, self.gemv_best_ms))
+        pairs += ((self.packed_ms, self.packed_best_ms),)
+        return [median / best for median, best in pairs if median is not None and best]
 
 
 @dataclass(frozen=True)
 class GemvDecision:
-    """Row counts (buckets) whose graphs get the GEMV lowering, and the evidence."""
+    """How each row count (bucket) runs its linears, and the evidence.
+
+    `lowered_rows` get the GEMV lowering; `packed_rows` (none of them lowered) oneDNN over
+    packed weights; any other row count torch's GEMM. `packs_dynamic`: whether the dynamic
+    graph (steps above the largest bucket) packs.
+    """
 
     lowered_rows: tuple[int, ...]
     timings: tuple[RowTiming, ...] = ()
-    unmeasured_rows: tuple[int, ...] = ()  # assumed GEMM after _GEMM_WINS_TO_STOP losses in a row
+    unmeasured_rows: tuple[int, ...] = ()  # given the form that won the last measured rows
     reason: str = ""
     device: str = "cpu"
     dtype: str = ""
     num_threads: int = 0
     # (out_features, in_features, prologue, count) of the linears, for a person reading the cache.
     shapes: tuple[tuple[int, int, str, int], ...] = ()
+    packed_rows: tuple[int, ...] = ()
+    packs_dynamic: bool = False
     version: str = field(default=GEMV_POLICY_VERSION)
 
     def lowers(self, rows: int) -> bool:
         """Whether a graph run at exactly `rows` token rows should be lowered."""
         return rows in self.lowered_rows
+
+    def packs(self, rows: int | None) -> bool:
+        """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should pack."""
+        return self.packs_dynamic if rows is None else rows in self.packed_rows
 
     @property
     def noisy(self) -> bool:
@@ -198,10 +245,7 @@ class GemvDecision:
         Under steady load even the fastest calls mislead (a busy run on bench-small timed the
         1-row lowering at 88 ms, 1.6 ms quiet, and lowered nothing); the spread shows it.
         """
-        return any(
-            t.gemm_ms > _NOISY_SPREAD * t.gemm_best_ms or t.gemv_ms > _NOISY_SPREAD * t.gemv_best_ms
-            for t in self.timings
-        )
+        return any(spread > _NOISY_SPREAD for t in self.timings for spread in t.spreads())
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -219,14 +263,13 @@ class GemvDecision:
                 lowered_rows=tuple(int(r) for r in data["lowered_rows"]),
                 timings=tuple(
                     RowTiming(
-                        int(t["rows"]),
-                        float(t["gemm_ms"]),
-                        float(t["gemv_ms"]),
-                        float(t["gemm_best_ms"]),
-                        float(t["gemv_best_ms"]),
+                        rows=int(t["rows"]),
+                        **{name: _optional_float(t[name]) for name in _TIMING_FIELDS},
                     )
                     for t in data["timings"]
                 ),
+                packed_rows=tuple(int(r) for r in data["packed_rows"]),
+                packs_dynamic=bool(data["packs_dynamic"]),
                 unmeasured_rows=tuple(int(r) for r in data["unmeasured_rows"]),
                 reason=str(data["reason"]),
                 device=str(data["device"]),
@@ -237,6 +280,13 @@ class GemvDecision:
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise ValueError(f"not a GEMV decision: {error}") from error
+
+
+_TIMING_FIELDS = ("gemm_ms", "gemv_ms", "gemm_best_ms", "gemv_best_ms", "packed_ms", "packed_best_ms")
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 # One measured linear: (out_features, in_features, prologue kind).
@@ -290,16 +340,25 @@ def measure_gemv_rows(
     weight_sets = [
         [torch.rand(o, i, generator=generator, dtype=dtype) for o, i, _ in linears] for _ in range(num_sets)
     ]
+    packing = onednn_linear_available(dtype, device)
     timings: list[RowTiming] = []
     unmeasured: list[int] = []
     gemm_wins_in_a_row = 0
+    # The GEMM form that won the last unlowered rows (packed or not), and how many in a row.
+    gemm_form, form_wins_in_a_row = False, 0
     for rows in rows_to_try:
-        if gemm_wins_in_a_row >= _GEMM_WINS_TO_STOP:
+        lowering_in_play = gemm_wins_in_a_row < _GEMM_WINS_TO_STOP
+        if not lowering_in_play and (not packing or form_wins_in_a_row >= _GEMM_WINS_TO_STOP):
             unmeasured.append(rows)
             continue
-        timing = _time_rows(rows, linears, weight_sets, generator)
+        timing = _time_rows(rows, linears, weight_sets, generator, gemv=lowering_in_play, packed=packing)
         timings.append(timing)
-        gemm_wins_in_a_row = 0 if timing.lowering_wins else gemm_wins_in_a_row + 1
+        if lowering_in_play:
+            gemm_wins_in_a_row = 0 if timing.lowering_wins else gemm_wins_in_a_row + 1
+        if not timing.lowering_wins:
+            same = timing.packing_wins == gemm_form
+            gemm_form, form_wins_in_a_row = timing.packing_wins, (form_wins_in_a_row + 1 if same else 1)
+    measured_packed = tuple(t.rows for t in timings if t.packing_wins and not t.lowering_wins)
     return GemvDecision(
         lowered_rows=tuple(t.rows for t in timings if t.lowering_wins),
         timings=tuple(timings),
@@ -307,8 +366,11 @@ def measure_gemv_rows(
         reason=(
             f"measured: {num_sets} set(s) of {len(linears)} weights, "
             f"{sum(w.nbytes for ws in weight_sets for w in ws) / 2**20:.1f} MiB"
+            + ("" if packing else f"; oneDNN cannot pack {dtype} here, not timed")
         ),
         num_threads=torch.get_num_threads(),
+        packed_rows=measured_packed + (tuple(unmeasured) if gemm_form else ()),
+        packs_dynamic=gemm_form,
         **common,
     )
 
@@ -388,35 +450,54 @@ def _measured_graph(linears: Sequence[_Linear], rows: int) -> fx.GraphModule:
 
 
 def _time_rows(
-    rows: int, linears: Sequence[_Linear], weight_sets: list[list[torch.Tensor]], generator: torch.Generator
+    rows: int,
+    linears: Sequence[_Linear],
+    weight_sets: list[list[torch.Tensor]],
+    generator: torch.Generator,
+    gemv: bool = True,
+    packed: bool = False,
 ) -> RowTiming:
-    from torch._inductor.compile_fx import compile_fx  # Inductor imports slowly; only when timing
-
+    """Time the linears at `rows` rows: torch's GEMM, plus the lowering (`gemv`) and oneDNN over
+    packed weights (`packed`) when asked."""
     # Inputs of their own for every linear, as in a model where each layer reads its own
     # activation: shared ones would let Inductor fuse reductions that a real graph cannot.
     inputs = [_prologue_inputs(kind, rows, i, weight_sets[0][0].dtype, generator) for _, i, kind in linears]
     flat_inputs = [t for group in inputs for t in group]
-    # Every call, of either form, takes the next set: none reads weights the call before it
-    # left in cache (unless there is one set, when the model's weights fit in cache anyway).
+    # Every call, of any form, takes the next set: none reads weights the call before it left
+    # in cache (unless there is one set, when the model's weights fit in cache anyway).
     turns = itertools.cycle(weight_sets)
+    forms: dict[str, Callable[[], Any]] = {}
     with torch.no_grad():
         # The unlowered graph computes each prologue once, a negligible rows x in: untimed.
         xs = [_prologue(kind, group) for (_, _, kind), group in zip(linears, inputs, strict=True)]
-        compiled = compile_fx(_measured_graph(linears, rows), [*flat_inputs, *weight_sets[0]])
+        forms["gemm"] = lambda: [F.linear(x, w) for x, w in zip(xs, next(turns), strict=True)]
+        if packed:
+            for w in itertools.chain.from_iterable(weight_sets):
+                PACKED_WEIGHTS.get(w)  # packed before timing, as a warm engine has them
+            forms["packed"] = lambda: [
+                onednn_linear(x, w, None) for x, w in zip(xs, next(turns), strict=True)
+            ]
+        if gemv:
+            from torch._inductor.compile_fx import compile_fx  # Inductor imports slowly; only when timing
 
-        def gemm() -> Any:
-            return [F.linear(x, w) for x, w in zip(xs, next(turns), strict=True)]
+            compiled = compile_fx(_measured_graph(linears, rows), [*flat_inputs, *weight_sets[0]])
+            forms["gemv"] = lambda: compiled(*flat_inputs, *next(turns))
+        seconds = dict(zip(forms, _alternate(*forms.values()), strict=True))
 
-        def gemv() -> Any:
-            return compiled(*flat_inputs, *next(turns))
+    def median_ms(form: str) -> float | None:
+        return statistics.median(seconds[form]) * 1e3 if form in seconds else None
 
-        gemm_s, gemv_s = _alternate(gemm, gemv)
+    def best_ms(form: str) -> float | None:
+        return min(seconds[form]) * 1e3 if form in seconds else None
+
     return RowTiming(
         rows,
-        gemm_ms=statistics.median(gemm_s) * 1e3,
-        gemv_ms=statistics.median(gemv_s) * 1e3,
-        gemm_best_ms=min(gemm_s) * 1e3,
-        gemv_best_ms=min(gemv_s) * 1e3,
+        gemm_ms=median_ms("gemm"),
+        gemv_ms=median_ms("gemv"),
+        gemm_best_ms=best_ms("gemm"),
+        gemv_best_ms=best_ms("gemv"),
+        packed_ms=median_ms("packed"),
+        packed_best_ms=best_ms("packed"),
     )
 
 
@@ -471,6 +552,8 @@ def share_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         if key not in vars(variant):
             setattr(variant, key, copy.copy(value) if isinstance(value, (dict, list, set)) else value)
     variant.meta = dict(gm.meta)
+    if RECIPES_META in variant.meta:  # a variant's passes record recipes of their own constants
+        variant.meta[RECIPES_META] = dict(variant.meta[RECIPES_META])
     return variant
 
 

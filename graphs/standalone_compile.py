@@ -5,6 +5,12 @@ FakeTensorMode with a shape environment of our choosing (graphs/compiled_step.py
 torch >= 2.12 takes that mode as `fake_mode=`. torch 2.11 (seen on a device machine) has no
 such argument, and with dynamic_shapes="from_example_inputs" makes a fresh mode that our fakes
 do not belong to; there the mode goes in through the tracing context instead.
+
+The graph is donated where this torch allows it (`donate_graph_module=`, torch >= 2.13):
+standalone_compile otherwise deep-copies the GraphModule, every weight included, once per
+compile, and cannot copy at all a graph holding an MKLDNN tensor (a oneDNN-packed weight,
+graphs/passes/onednn_linear.py). Callers pass a graph of their own to donate (a
+`share_graph_module` variant: new nodes, the same weight tensors).
 """
 
 from __future__ import annotations
@@ -17,7 +23,16 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-TAKES_FAKE_MODE = "fake_mode" in inspect.signature(torch._inductor.standalone_compile).parameters
+_PARAMETERS = inspect.signature(torch._inductor.standalone_compile).parameters
+TAKES_FAKE_MODE = "fake_mode" in _PARAMETERS
+TAKES_DONATION = "donate_graph_module" in _PARAMETERS
+
+
+def compile_donated(graph: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """`torch._inductor.standalone_compile`, donating `graph` (may be mutated) where supported."""
+    if TAKES_DONATION:
+        kwargs["donate_graph_module"] = True
+    return torch._inductor.standalone_compile(graph, list(example_inputs), **kwargs)
 
 
 def compile_with_fake_mode(
@@ -27,17 +42,15 @@ def compile_with_fake_mode(
     *,
     takes_fake_mode: bool | None = None,
 ) -> Any:
-    """A CompiledArtifact of `graph` specialised to `example_inputs` (fakes made in `fake_mode`).
+    """A CompiledArtifact of `graph` (donated) specialised to `example_inputs` (fakes made in `fake_mode`).
 
     `takes_fake_mode` (default: whether this torch's standalone_compile does) picks the path.
     """
     if takes_fake_mode is None:
         takes_fake_mode = TAKES_FAKE_MODE
     if takes_fake_mode:
-        return torch._inductor.standalone_compile(
-            graph, list(example_inputs), dynamic_shapes="from_example_inputs", fake_mode=fake_mode
+        return compile_donated(
+            graph, example_inputs, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
         )
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-        return torch._inductor.standalone_compile(
-            graph, list(example_inputs), dynamic_shapes="from_tracing_context"
-        )
+        return compile_donated(graph, example_inputs, dynamic_shapes="from_tracing_context")

@@ -204,3 +204,32 @@ def test_other_options_miss_and_say_why(tmp_path, llama_dir, caplog):
         other = _llm(llama_dir, tmp_path, fuse_linears=False)
     assert "engine.fuse_linears: 'True' -> 'False'" in caplog.text
     assert other.engine.core.runner.compiled_step.num_traces == 1
+
+
+def test_packed_linear_buckets_save_and_load(tmp_path, llama_dir, monkeypatch):
+    """Graphs whose linears run through oneDNN (graphs/passes/onednn_linear.py) save and load like
+    any other: the artifact takes the plain weights, and the op packs them again on first use."""
+    from compiled_engine.graphs.compiled_step import CompiledStep
+    from compiled_engine.graphs.gemv_policy import GemvDecision
+    from compiled_engine.kernels.onednn_linear import onednn_linear_available
+
+    if not onednn_linear_available(torch.float32):
+        pytest.skip("this torch has no oneDNN (mkldnn) on CPU")
+    plain = GemvDecision(())
+    monkeypatch.setattr(CompiledStep, "gemv_decision", lambda step: plain)
+    expected = _tokens(_llm(llama_dir, tmp_path / "plain"))
+
+    packed = GemvDecision((), packed_rows=BUCKETS, packs_dynamic=True)
+    monkeypatch.setattr(CompiledStep, "gemv_decision", lambda step: packed)
+    cold = _llm(llama_dir, tmp_path / "packed")
+    cold.engine.core.runner.compiled_step.compile_buckets()
+    cold_builds = cold.engine.core.runner.compiled_step.builds
+    assert all(b.variant.packed_linears and b.saved for b in cold_builds.values())
+    assert _tokens(cold) == expected
+
+    warm = _llm(llama_dir, tmp_path / "packed")
+    warm_step = warm.engine.core.runner.compiled_step
+    assert warm_step.num_traces == 0
+    assert {b.source for b in warm_step.builds.values()} == {"loaded"}
+    assert all(b.variant.packed_linears for b in warm_step.builds.values())
+    assert _tokens(warm) == expected

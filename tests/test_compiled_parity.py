@@ -3,21 +3,43 @@
 Same prompts and checks as tests/test_parity.py, on llama only, with a small bucket list so the
 cold compiles stay affordable: decodes of up to 16 sequences run in the buckets, 64-token
 prefill chunks in the dynamic graph. Run with and without linear fusion
-(graphs/passes/fuse_linears.py).
+(graphs/passes/fuse_linears.py), and with every unlowered graph's linears forced onto oneDNN's
+packed weights (graphs/passes/onednn_linear.py; the measured policy may or may not pick them
+for a model this small).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.graphs.compiled_step import CompiledStep
+from compiled_engine.kernels.onednn_linear import onednn_linear_available
 from tests.test_parity import MAX_NEW_TOKENS, PROMPTS, _hf_reference, compare_with_reference
 
 BUCKETS = (1, 2, 4, 8, 16)
 
 
-@pytest.mark.parametrize("fuse_linears", [True, False], ids=["fused", "unfused"])
-def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears):
+@pytest.mark.parametrize(
+    ("fuse_linears", "packed"),
+    [(True, False), (False, False), (True, True)],
+    ids=["fused", "unfused", "packed"],
+)
+def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears, packed, monkeypatch, tmp_path):
+    if packed:
+        if not onednn_linear_available(torch.float32):
+            pytest.skip("this torch has no oneDNN (mkldnn) on CPU")
+        measured = CompiledStep.gemv_decision
+
+        def packing_everywhere(step):
+            decision = measured(step)
+            unlowered = tuple(b for b in step.buckets if not decision.lowers(b))
+            return dataclasses.replace(decision, packed_rows=unlowered, packs_dynamic=True)
+
+        monkeypatch.setattr(CompiledStep, "gemv_decision", packing_everywhere)
     prompts = PROMPTS["llama"]
     llm = LLM(
         llama_dir,
@@ -27,6 +49,8 @@ def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears):
         enforce_eager=False,
         compile_buckets=BUCKETS,
         fuse_linears=fuse_linears,
+        # A forced policy compiles other graphs for the same manifest: its own cache.
+        cache_dir=str(tmp_path) if packed else None,
     )
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -43,4 +67,7 @@ def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears):
         assert passes["fuse_linears"].nodes_rewritten == 5 * llm.engine.model_config.num_layers
     else:
         assert "fuse_linears" not in passes
+    if packed:
+        builds = compiled.builds
+        assert builds[16].variant.packed_linears and builds[None].variant.packed_linears
     assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks

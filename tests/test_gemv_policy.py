@@ -196,7 +196,7 @@ def test_measurement_on_small_shapes() -> None:
 
 
 def _scripted(wins: dict[int, bool], timed: list[int]):
-    def time_rows(rows, linears, weight_sets, generator):
+    def time_rows(rows, linears, weight_sets, generator, **forms):
         timed.append(rows)
         # Medians that say the opposite: the fastest calls decide.
         best = 1.0 if wins[rows] else 3.0
@@ -243,7 +243,7 @@ def test_off_the_cpu_nothing_is_measured_or_lowered(monkeypatch) -> None:
 def test_many_or_large_weights_are_measured_in_rotating_sets(monkeypatch, max_bytes: int, sets: int) -> None:
     seen: list[list[tuple[int, ...]]] = []
 
-    def record(rows, linears, weight_sets, generator):
+    def record(rows, linears, weight_sets, generator, **forms):
         seen.extend([tuple(w.shape) for w in ws] for ws in weight_sets)
         return RowTiming(rows, 1.0, 2.0, 1.0, 2.0)
 
@@ -259,7 +259,7 @@ def test_many_or_large_weights_are_measured_in_rotating_sets(monkeypatch, max_by
 def test_a_small_model_is_measured_whole_in_one_set(monkeypatch) -> None:
     seen: list[list[tuple[int, ...]]] = []
 
-    def record(rows, linears, weight_sets, generator):
+    def record(rows, linears, weight_sets, generator, **forms):
         seen.extend([tuple(w.shape) for w in ws] for ws in weight_sets)
         return RowTiming(rows, 1.0, 2.0, 1.0, 2.0)
 

@@ -1,0 +1,64 @@
+"""Linears with constant weights run through oneDNN over a packed copy (kernels/onednn_linear.py).
+
+Why: on the CPUs we measured, oneDNN's matmul over a weight reordered into its blocked layout
+ran bench-small's linears 1.4-2x faster than torch's `F.linear` from a few rows up
+(docs/performance.md). Which buckets get it is measured per machine (graphs/gemv_policy.py);
+GEMV-lowered buckets have no linears left for this pass.
+
+Rewrite, for `linear(x, W, b)` whose weight is a graph constant (`get_attr`, see
+graphs/passes/freeze_parameters.py) that oneDNN can pack (CPU, fp32, or bf16 where supported):
+
+    onednn_linear(x, W, b)
+
+Same operands, so the graph's inputs, constants and their recipes are unchanged; the op packs
+W on its first call and keeps the copy (kernels/onednn_linear.py says why not in the graph).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from compiled_engine.graphs.pass_manager import PassResult
+from compiled_engine.graphs.passes.fake_values import set_fake_value
+from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_operands
+from compiled_engine.kernels.onednn_linear import (
+    ONEDNN_LINEAR_VERSION,
+    onednn_linear,
+    onednn_linear_available,
+)
+
+
+class PackLinearWeights:
+    """Constant-weight linears become `onednn_linear(x, weight, bias)`."""
+
+    name = "pack_linear_weights"
+    version = f"1;op={ONEDNN_LINEAR_VERSION}"
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        graph = gm.graph
+        rewritten = 0
+        notes: list[str] = []
+        for node in list(graph.nodes):
+            operands = linear_operands(node)
+            if operands is None or not isinstance(operands[0], fx.Node):
+                continue
+            x, weight_node, bias = operands
+            weight = constant_tensor(gm, weight_node)
+            if weight is None or weight.dim() != 2:
+                notes.append(f"kept {node.name}: weight is not a 2-D graph constant")
+                continue
+            if not onednn_linear_available(weight.dtype, weight.device):
+                notes.append(
+                    f"kept {node.name}: oneDNN cannot pack a {weight.dtype} weight on {weight.device}"
+                )
+                continue
+            with graph.inserting_before(node):
+                replacement = graph.call_function(onednn_linear, (x, weight_node, bias))
+            # The linear's own meta (stack trace, source) stays with the value it produced.
+            replacement.meta.update(node.meta)
+            set_fake_value(replacement)
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+            rewritten += 1
+        notes.insert(0, f"{rewritten} linear(s) now run through oneDNN on packed weights")
+        return PassResult(self.name, rewritten, tuple(notes))
