@@ -28,11 +28,29 @@ from compiled_engine.kernels.reference import _write_kv
 
 # Goes into every compile-cache key (Inductor's own key does not see a custom op's Python body):
 # bump it whenever kv_cache_write or the maths of paged_attention_inline change.
-INLINE_ATTENTION_VERSION = "inline_attention-1"
+INLINE_ATTENTION_VERSION = "inline_attention-2"
+
+# `materialize(x)`: a contiguous copy of x that Inductor cannot see through. Why: Inductor inlines
+# a pointwise producer into each consumer, and inside the attention's reductions that means
+# recomputing it per key. The query arrives as the model's rotary embedding of the q projection
+# (cos/sin of position x frequency): inlined, the score loop evaluated those transcendentals for
+# every (row, head, key) (seen in the generated C++ of bench-small's 64-row bucket). Copying the
+# query once costs T x Hq x D; the gathered block ids ([T, W]) likewise, instead of redoing the
+# table lookup and clamp per key. docs/performance.md has the step times before and after.
+_LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
+_LIBRARY.define("materialize(Tensor x) -> Tensor")
+_LIBRARY.impl(
+    "materialize", lambda x: x.clone(memory_format=torch.contiguous_format), "CompositeExplicitAutograd"
+)
+torch.library.register_fake(
+    "compiled_engine::materialize",
+    lambda x: torch.empty_like(x, memory_format=torch.contiguous_format),
+    lib=_LIBRARY,
+)
+materialize = torch.ops.compiled_engine.materialize.default
 
 
-@torch.library.custom_op("compiled_engine::kv_cache_write", mutates_args=("kv_cache",))
-def kv_cache_write(
+def _kv_cache_write(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store this step's k/v [T, Hkv, D] at `slot_mapping` [T] of kv_cache [2, blocks, block, Hkv, D].
@@ -44,9 +62,18 @@ def kv_cache_write(
     _write_kv(key, value, kv_cache, slot_mapping)
 
 
-@kv_cache_write.register_fake
-def _kv_cache_write_fake(key, value, kv_cache, slot_mapping) -> None:
-    return None
+# The low-level torch.library API, not `torch.library.custom_op`: this runs once per layer per
+# step, and on this CPU custom_op's Python wrapper around a mutating op cost about as much again
+# as this small write. The schema's `(a!)` marks the in-place write for functionalisation and
+# Inductor, as mutates_args did.
+_LIBRARY.define(
+    "kv_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()"
+)
+_LIBRARY.impl("kv_cache_write", _kv_cache_write, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "compiled_engine::kv_cache_write", lambda key, value, kv_cache, slot_mapping: None, lib=_LIBRARY
+)
+kv_cache_write = torch.ops.compiled_engine.kv_cache_write.default
 
 
 def _check_write_inputs(
@@ -119,7 +146,7 @@ def paged_attention_inline(
     # Table entries past a sequence's end may be -1 or stale; clamped, they stay legal to read and
     # the mask discards them. Plain indexing, not index_select: both lower to the same indirect
     # load, and this keeps the [T, W] structure the view below needs.
-    blocks = block_tables.long().clamp(0, num_blocks - 1)[seq_idx]  # [T, W]
+    blocks = materialize(block_tables.long().clamp(0, num_blocks - 1)[seq_idx])  # [T, W]
     # [T, W, block, Hkv, D] -> [T, Hkv, 1, L, D]: L next to D puts the softmax reductions on the
     # innermost dimension of the scores, which Inductor then vectorises and parallelises over rows
     # (with L outermost it ran them one row at a time; ~15% slower at 64 x 512).
@@ -127,7 +154,7 @@ def paged_attention_inline(
     values = kv_cache[1][blocks].view(num_tokens, context_len, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     keys, values = keys[:, :, None], values[:, :, None]
     # GQA without repeating k/v: q head h = kv head h // G, HF's repeat_kv order.
-    q = query.float().reshape(num_tokens, num_kv_heads, group, 1, head_dim)
+    q = materialize(query).float().reshape(num_tokens, num_kv_heads, group, 1, head_dim)
 
     # Broadcast-multiply + sum, not matmul/einsum: an extern GEMM would force Inductor to
     # materialise the gathered keys; a reduction lets it read them straight from the cache.
@@ -154,7 +181,6 @@ def paged_attention_inline(
 # (AOTAutograd, fake tensors, functionalisation) decomposes it into the ops above, while the
 # graph before Inductor holds one serialisable node instead of a reference to a Python
 # function (which the compile cache cannot save). graphs/passes/inline_attention.py uses it.
-_LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
 _LIBRARY.define(
     "paged_attention_inline(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
     "Tensor query_start_loc, float scale, int sliding_window=-1, float softcap=0.0) -> Tensor"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 # Goes into the compile-cache key next to the op's own version: bump on any numerical change.
-REFERENCE_VERSION = "paged_attention_reference-2"
+REFERENCE_VERSION = "paged_attention_reference-3"
 
 # Upper bound on the float32 keys + values gathered for one chunk of query tokens. Kept well
 # under glibc's 32 MiB mmap ceiling so the chunk buffers are recycled from the heap: fresh
@@ -123,11 +123,14 @@ def _write_kv(
     # Padding goes to the scratch block (the last one), whatever lands there is never read.
     scratch_slot = (num_blocks - 1) * block_size
     slots = torch.where(slots >= 0, slots, scratch_slot)
-    blocks, offsets = slots // block_size, slots % block_size
-    # Index (block, offset) on the 5-D cache rather than a flattened view, so the write lands
-    # in place even when the cache is not contiguous.
-    kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
+    rows = torch.stack((key, value)).to(kv_cache.dtype)  # [2, T, Hkv, D]
+    if kv_cache.is_contiguous():
+        # One indexed copy for K and V together over the cache's slots: this runs once per layer
+        # per step, and each eager op costs more dispatch than its few rows of data.
+        kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:]).index_copy_(1, slots, rows)
+        return
+    # A strided cache: index (block, offset) on the 5-D tensor, so the write still lands in place.
+    kv_cache[:, slots // block_size, slots % block_size] = rows
 
 
 def _check_inputs(
