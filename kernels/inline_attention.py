@@ -66,9 +66,7 @@ def _kv_cache_write(
 # step, and on this CPU custom_op's Python wrapper around a mutating op cost about as much again
 # as this small write. The schema's `(a!)` marks the in-place write for functionalisation and
 # Inductor, as mutates_args did.
-_LIBRARY.define(
-    "kv_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()"
-)
+_LIBRARY.define("kv_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
 _LIBRARY.impl("kv_cache_write", _kv_cache_write, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "compiled_engine::kv_cache_write", lambda key, value, kv_cache, slot_mapping: None, lib=_LIBRARY
