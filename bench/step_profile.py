@@ -1,0 +1,118 @@
+"""Where bench-small's compiled decode step spends its time, by kind of work, on this CPU.
+
+N requests decode together at about `context` tokens each (fp32, compiled buckets, sync loop);
+after a few warm-up steps, `--steps` steps run under torch.profiler with Inductor's per-kernel
+profiling on, and each profiled event's own time is put in one group:
+
+- linears: oneDNN's matmuls (`mkldnn::_linear_pointwise`, graphs/passes/onednn_linear.py) or
+  torch's (`aten::mm`/`addmm`/`linear`), whichever the buckets run;
+- attention: Inductor's fused kernels that do the paged-attention maths (their names carry
+  `amax`, the softmax's max), the KV-cache write op and the query/block-id copies it reads;
+- other graph kernels: every other Inductor kernel (norms, rotary, activations, residuals);
+- graph wrapper and ops: everything else inside the compiled graph's call (its Python wrapper,
+  small aten ops, allocations);
+- outside the graph: the rest of the engine step (schedule, input staging, sampling, update,
+  output processing), i.e. step wall time minus the graph's call.
+
+    python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10]
+
+Needs its own compile cache (Inductor's kernel profiling changes the generated code), so it
+uses a temporary one unless COMPILED_ENGINE_CACHE_DIR is set; cold, it compiles the buckets it
+needs (~1 min). Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+GROUPS = ("linears", "attention", "other graph kernels", "graph wrapper and ops", "outside the graph")
+_LINEAR_EVENTS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
+_ATTENTION_EVENTS = ("compiled_engine::kv_cache_write", "compiled_engine::materialize", "aten::index_copy_")
+_GRAPH_CALL = "## Call CompiledFxGraph"
+
+
+def _group(name: str) -> str | None:
+    if name in _LINEAR_EVENTS:
+        return "linears"
+    if name.startswith(_ATTENTION_EVENTS) or ("cpp_fused" in name and "amax" in name):
+        return "attention"
+    if "cpp_fused" in name:
+        return "other graph kernels"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
+    if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
+        os.environ["COMPILED_ENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="compiled-engine-step-profile-")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.models import bench_small_dir
+    from compiled_engine import LLM, SamplingParams
+
+    warmup = 4
+    prompt_len = max(1, args.context - args.steps - warmup)
+    max_len = args.context + 16
+    llm = LLM(
+        str(bench_small_dir()),
+        dtype="float32",
+        max_model_len=max_len,
+        max_num_seqs=args.seqs,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=args.seqs * (max_len // 16 + 1),
+        async_scheduling=False,
+    )
+    engine = llm.engine
+    params = SamplingParams(max_tokens=args.steps + warmup + 2, temperature=0.0, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": [3 + (i * 31 + j) % 3000 for j in range(prompt_len)]} for i in range(args.seqs)
+    ]
+    for processed, checked in engine.validate(prompts, params):
+        engine.add_request(engine.next_request_id(), processed, checked)
+    for _ in range(1 + warmup):  # the prefill, then decode steps that build their bucket
+        engine.step()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+    per_step = defaultdict(float)  # ms per step
+    graph_ms = 0.0
+    for event in prof.key_averages():
+        own_ms = event.self_cpu_time_total / 1e3 / args.steps
+        if event.key.startswith(_GRAPH_CALL):
+            graph_ms += event.cpu_time_total / 1e3 / args.steps
+            per_step["graph wrapper and ops"] += own_ms
+            continue
+        group = _group(event.key)
+        per_step[group or "graph wrapper and ops"] += own_ms
+    wall_ms = sum(walls) / len(walls) * 1e3
+    # Events outside the graph's call were added to "graph wrapper and ops" above; move them out.
+    inside = sum(per_step.values())
+    per_step["graph wrapper and ops"] -= max(0.0, inside - graph_ms)
+    per_step["outside the graph"] = wall_ms - graph_ms
+    print(
+        f"bench-small fp32, {args.seqs} sequences at ~{args.context} tokens, {args.steps} profiled steps: "
+        f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median) under the profiler"
+    )
+    for group in GROUPS:
+        ms = per_step[group]
+        print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
