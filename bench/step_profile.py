@@ -75,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
         async_scheduling=False,
     )
     engine = llm.engine
-    params = SamplingParams(max_tokens=args.steps + warmup + 2, temperature=0.0, ignore_eos=True)
+    # Room to the end of the model length: requests that finish their prefill early decode during
+    # the others' prefill, and none may finish (shrinking the batch) while steps are profiled.
+    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True)
     prompts = [
         {"prompt_token_ids": [3 + (i * 31 + j) % 3000 for j in range(prompt_len)]} for i in range(args.seqs)
     ]
     for processed, checked in engine.validate(prompts, params):
         engine.add_request(engine.next_request_id(), processed, checked)
-    for _ in range(1 + warmup):  # the prefill, then decode steps that build their bucket
+    decoding: set[str] = set()
+    while len(decoding) < args.seqs:  # the prefill (chunked: several steps for long prompts)
+        decoding.update(out.request_id for out in engine.step())
+    for _ in range(warmup):  # decode steps; the first builds (or loads) its bucket
         engine.step()
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -331,3 +331,71 @@ def test_prologue_inputs_are_recorded_and_computed_alike() -> None:
     got = gm(*[t for group in inputs for t in group], *weights)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _scripted_forms(outcomes: dict[int, str], timed: list[tuple[int, bool, bool]]):
+    """outcomes: rows -> the fastest form ("gemv", "packed" or "gemm") of a scripted timing."""
+
+    def time_rows(rows, linears, weight_sets, generator, gemv=True, packed=False):
+        timed.append((rows, gemv, packed))
+        best = {"gemm": 4.0, "packed": 4.5, "gemv": 4.5}
+        best[outcomes[rows]] = 1.0
+        return RowTiming(
+            rows,
+            gemm_ms=best["gemm"],
+            gemv_ms=best["gemv"] if gemv else None,
+            gemm_best_ms=best["gemm"],
+            gemv_best_ms=best["gemv"] if gemv else None,
+            packed_ms=best["packed"] if packed else None,
+            packed_best_ms=best["packed"] if packed else None,
+        )
+
+    return time_rows
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "lowered", "packed", "packs_dynamic", "unmeasured"),
+    [
+        # Lowered while it wins; then the packed GEMM wins twice: larger rows take it unmeasured.
+        ({1: "gemv", 2: "gemv", 4: "packed", 8: "packed", 16: "gemm"}, (1, 2), (4, 8, 16), True, (16,)),
+        # torch's GEMM wins twice after the lowering is out: nothing packs.
+        ({1: "gemv", 2: "gemm", 4: "gemm", 8: "packed", 16: "packed"}, (1,), (), False, (8, 16)),
+        # The winner changes: measuring goes on until one form wins twice in a row.
+        ({1: "packed", 2: "gemm", 4: "packed", 8: "packed", 16: "gemm"}, (), (1, 4, 8, 16), True, (16,)),
+    ],
+)
+def test_packed_gemm_is_timed_beside_the_others(
+    monkeypatch, outcomes, lowered, packed, packs_dynamic, unmeasured
+):
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: True)
+    timed: list[tuple[int, bool, bool]] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, timed))
+    decision = measure_gemv_rows(SMALL_SHAPES, [1, 2, 4, 8, 16], torch.float32, "cpu")
+    assert decision.lowered_rows == lowered
+    assert decision.packed_rows == packed
+    assert decision.packs_dynamic is packs_dynamic and decision.packs(None) is packs_dynamic
+    assert decision.unmeasured_rows == unmeasured
+    assert all(p for _, _, p in timed)  # every measured row count timed the packed form
+    # The lowering is timed until it has lost twice in a row, then no more.
+    gemv_timed = [r for r, g, _ in timed if g]
+    assert gemv_timed == [r for r, _, _ in timed][: len(gemv_timed)]
+    assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+def test_without_onednn_nothing_packs(monkeypatch) -> None:
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: False)
+    timed: list[tuple[int, bool, bool]] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(dict.fromkeys((1, 2, 4), "gemm"), timed))
+    decision = measure_gemv_rows(SMALL_SHAPES, [1, 2, 4], torch.float32, "cpu")
+    assert decision.packed_rows == () and not decision.packs_dynamic
+    assert timed == [(1, True, False), (2, True, False)]  # stops after two GEMM wins, as before
+    assert "oneDNN cannot pack" in decision.reason
+
+
+def test_the_lowering_must_beat_the_faster_gemm_form() -> None:
+    # Packed oneDNN at 1.0 ms: a lowering at 0.95 is within the margin of it, though far ahead of F.linear.
+    timing = RowTiming(
+        1, gemm_ms=5.0, gemv_ms=1.0, gemm_best_ms=5.0, gemv_best_ms=0.95, packed_ms=1.1, packed_best_ms=1.0
+    )
+    assert timing.packing_wins and not timing.lowering_wins
+    assert RowTiming(1, 5.0, 1.0, 5.0, 0.8, 1.1, 1.0).lowering_wins
