@@ -1,10 +1,11 @@
 """A linear through oneDNN over a copy of its weight packed once, as an op the CPU graphs call.
 
-Why: on the CPUs we measured, torch's `F.linear` (MKL's sgemm over a plain row-major weight)
-runs bench-small's 64-row linears at 75-110 GFLOP/s, and oneDNN's matmul over the same weight
-reordered once into its blocked layout at 145-225 (docs/performance.md). Inductor makes the
-same oneDNN calls, but only with `freezing`, which bakes the weights into the compiled code;
-our artifacts hold code only and take their weights as inputs (graphs/constant_recipes.py).
+Why: on the CPU we measured, oneDNN's matmul over a weight reordered once into its blocked
+layout ran bench-small's linears ~2x faster than torch's `F.linear` (MKL's sgemm over the plain
+row-major weight) from a few rows up, and reaches ~177 GFLOP/s in the 64-row decode step
+(docs/performance.md). Inductor makes the same oneDNN calls, but only with `freezing`, which
+bakes the weights into the compiled code; our artifacts hold code only and take their weights
+as inputs (graphs/constant_recipes.py).
 
 So the graph keeps the plain weight as its input, and this op keeps the packed copy: the first
 call with a weight packs it, later calls with that same tensor object reuse the copy. The

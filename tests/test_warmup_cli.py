@@ -8,6 +8,7 @@ import sys
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.entrypoints.cli import main
+from compiled_engine.entrypoints.warmup import linears_label
 
 OPTIONS = ["--dtype", "float32", "--buckets", "1,2", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
 LLM_OPTIONS = dict(dtype="float32", compile_buckets=[1, 2], max_num_seqs=2, max_num_batched_tokens=32)
@@ -21,18 +22,22 @@ def test_warmup_prints_a_table_and_a_later_start_is_warm(llama_dir, tmp_path, ca
     assert main(["warmup", "--model", llama_dir, "--cache-dir", str(tmp_path), *OPTIONS]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
-    assert lines[1].split() == ["bucket", "cache", "gemv", "attention", "compile", "s", "load", "s", "saved"]
+    header = ["bucket", "cache", "linears", "attention", "compile", "s", "load", "s", "saved"]
+    assert lines[1].split() == header
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"1", "2", "dynamic"}
     assert all(row[-1] == "yes" for row in rows.values())
-    # The dynamic graph gets neither per-bucket rewrite; decode buckets inline the attention.
-    assert rows["dynamic"][2:4] == ["no", "op"]
+    # The dynamic graph is never GEMV-lowered and keeps the op; decode buckets inline the attention.
+    assert rows["dynamic"][2] in ("onednn", "torch") and rows["dynamic"][3] == "op"
     assert rows["1"][3] == rows["2"][3] == "inline"
 
     # The same options in the API start warm: no trace, everything loaded.
     step = _warm_llm(llama_dir, tmp_path).engine.core.runner.compiled_step
     assert step.num_traces == 0
     assert {b.source for b in step.builds.values()} == {"loaded"}
+    # The table's linears column names the form each saved graph was built with.
+    for bucket, label in ((1, "1"), (2, "2"), (None, "dynamic")):
+        assert rows[label][2] == linears_label(step.builds[bucket].variant)
 
     # Run again: every graph is a cache hit.
     assert main(["warmup", "--model", llama_dir, "--cache-dir", str(tmp_path), *OPTIONS]) == 0

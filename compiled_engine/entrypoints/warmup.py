@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from compiled_engine.graphs.compiled_step import BucketBuild, CompiledStep
+from compiled_engine.graphs.compiled_step import BucketBuild, BucketVariant, CompiledStep
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,14 @@ def _bucket_label(bucket: int | None) -> str:
     return "dynamic" if bucket is None else str(bucket)
 
 
+def linears_label(variant: BucketVariant) -> str:
+    """How a graph runs its linears: GEMV-lowered, oneDNN over packed weights, or torch's GEMM."""
+    return "gemv" if variant.gemv else "onednn" if variant.packed_linears else "torch"
+
+
 def format_table(rows: Sequence[WarmupRow]) -> str:
     """One line per graph: bucket, cache hit or miss, its rewrites, seconds to compile or load, saved."""
-    header = ("bucket", "cache", "gemv", "attention", "compile s", "load s", "saved")
+    header = ("bucket", "cache", "linears", "attention", "compile s", "load s", "saved")
     lines = [header]
     for row in rows:
         build = row.build
@@ -46,7 +51,7 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
             (
                 _bucket_label(row.bucket),
                 "hit" if hit else "miss",
-                "yes" if build.variant.gemv else "no",
+                linears_label(build.variant),
                 "inline" if build.variant.inline_attention else "op",
                 "-" if hit else f"{build.seconds:.2f}",
                 f"{build.seconds:.2f}" if hit else "-",

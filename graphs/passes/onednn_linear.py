@@ -1,7 +1,7 @@
 """Linears with constant weights run through oneDNN over a packed copy (kernels/onednn_linear.py).
 
-Why: on the CPUs we measured, oneDNN's matmul over a weight reordered into its blocked layout
-ran bench-small's linears 1.4-2x faster than torch's `F.linear` from a few rows up
+Why: on the CPU we measured, oneDNN's matmul over a weight reordered into its blocked layout
+ran bench-small's linears ~2x faster than torch's `F.linear` from a few rows up
 (docs/performance.md). Which buckets get it is measured per machine (graphs/gemv_policy.py);
 GEMV-lowered buckets have no linears left for this pass.
 
