@@ -16,6 +16,10 @@ profiling on, and each profiled event's own time is put in one group:
 
     python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10]
 
+The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
+graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
+attention's included, and the groups blur.
+
 Needs its own compile cache (Inductor's kernel profiling changes the generated code), so it
 uses a temporary one unless COMPILED_ENGINE_CACHE_DIR is set; cold, it compiles the buckets it
 needs (~1 min). Run it on an otherwise idle machine.

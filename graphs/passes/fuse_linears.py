@@ -112,6 +112,19 @@ def linear_operands(node: fx.Node) -> tuple[Any, Any, Any] | None:
     return values["input"], values["weight"], values.get("bias")
 
 
+def linear_nodes(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, Any, Any]]:
+    """(node, input, weight, bias) of every linear whose input is a node, in graph order.
+
+    A list, taken up front, so that callers may rewrite the graph as they go through it.
+    """
+    found = []
+    for node in list(graph.nodes):
+        operands = linear_operands(node)
+        if operands is not None and isinstance(operands[0], fx.Node):
+            found.append((node, *operands))
+    return found
+
+
 def constant_tensor(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
     """The tensor a `get_attr` node reads, or None when `node` is anything else."""
     if not isinstance(node, fx.Node) or node.op != "get_attr":

@@ -44,7 +44,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import fake_evaluation
-from compiled_engine.graphs.passes.fuse_linears import linear_operands
+from compiled_engine.graphs.passes.fuse_linears import linear_nodes
 
 
 def _static_rows(x: fx.Node) -> int | None:
@@ -106,11 +106,7 @@ class GemvLowering:
         graph = gm.graph
         rewritten = 0
         notes: list[str] = []
-        for node in list(graph.nodes):
-            operands = linear_operands(node)
-            if operands is None or not isinstance(operands[0], fx.Node):
-                continue
-            x, weight, bias = operands
+        for node, x, weight, bias in linear_nodes(graph):
             rows = _static_rows(x)
             if rows is None:
                 rows = self.rows_hint

@@ -20,7 +20,7 @@ from torch import fx
 
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import set_fake_value
-from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_operands
+from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_nodes
 from compiled_engine.kernels.onednn_linear import (
     ONEDNN_LINEAR_VERSION,
     onednn_linear,
@@ -38,11 +38,7 @@ class PackLinearWeights:
         graph = gm.graph
         rewritten = 0
         notes: list[str] = []
-        for node in list(graph.nodes):
-            operands = linear_operands(node)
-            if operands is None or not isinstance(operands[0], fx.Node):
-                continue
-            x, weight_node, bias = operands
+        for node, x, weight_node, bias in linear_nodes(graph):
             weight = constant_tensor(gm, weight_node)
             if weight is None or weight.dim() != 2:
                 notes.append(f"kept {node.name}: weight is not a 2-D graph constant")
