@@ -432,9 +432,10 @@ class CompiledStep:
         """The graph to compile for `bucket`: a variant of the traced graph (sharing its weights)
         with the per-bucket rewrites applied, and which ones."""
         graph = self._trace().graph
-        gemv = bucket is not None and self.gemv_decision().lowers(bucket)
+        linears = self.gemv_decision()
+        gemv = bucket is not None and linears.lowers(bucket)
         inline = self.inlines_attention(bucket)
-        packed = not gemv and self.gemv_decision().packs(bucket)
+        packed = not gemv and linears.packs(bucket)
         # Always a variant, even with no rewrite: the compile takes ownership of its graph.
         variant = share_graph_module(graph)
         if gemv:

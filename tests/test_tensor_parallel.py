@@ -43,6 +43,12 @@ def _tp_workers() -> list[multiprocessing.Process]:
     return [p for p in multiprocessing.active_children() if p.name.startswith(WORKER_NAME)]
 
 
+def _assert_nothing_left() -> None:
+    """No worker process of ours is alive, and this process left its process group."""
+    assert not _tp_workers()
+    assert not dist.is_initialized()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -258,8 +264,7 @@ def test_two_ranks_compiled_match_one_rank(model_dirs, arch):
         assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
     finally:
         llm.close()
-    assert not _tp_workers()
-    assert not dist.is_initialized()
+    _assert_nothing_left()
 
 
 def test_a_killed_worker_stops_the_engine_with_a_clear_error_at_once(llama_dir):
@@ -282,8 +287,7 @@ def test_a_killed_worker_stops_the_engine_with_a_clear_error_at_once(llama_dir):
         assert time.monotonic() - started < 2
     finally:
         llm.close()
-    assert not _tp_workers()
-    assert not dist.is_initialized()
+    _assert_nothing_left()
 
 
 def test_no_worker_outlives_the_engine(llama_dir):
@@ -301,8 +305,7 @@ def test_a_failed_start_leaves_no_worker_behind(llama_dir):
     with pytest.raises(ValueError, match="max_model_len=100000 exceeds"):
         LLM(llama_dir, tensor_parallel_size=2, enforce_eager=True, **{**ENGINE, "max_model_len": 100_000})
     assert _wait_gone([p.pid for p in _tp_workers()]) == []
-    assert not _tp_workers()
-    assert not dist.is_initialized()
+    _assert_nothing_left()
     with pytest.raises(UnsupportedModelError, match="not divisible by tensor_parallel_size=3"):
         LLM(llama_dir, tensor_parallel_size=3, enforce_eager=True, **ENGINE)
     assert not _tp_workers()
