@@ -39,6 +39,12 @@ def pytest_addoption(parser):
         default=None,
         help="weights and activations for both systems: float32 (default) or bfloat16 (or env BENCH_DTYPE)",
     )
+    group.addoption(
+        "--bench-attention-backend",
+        default="auto",
+        help="our engine's attention_backend (default auto: on CPU the cpu kernel; 'torch' for the "
+        "reference op with Inductor's inline attention maths in decode buckets)",
+    )
 
 
 def _profile(config) -> str:
@@ -53,6 +59,7 @@ def pytest_configure(config):
     if dtype not in BENCH_DTYPES:
         raise pytest.UsageError(f"BENCH_DTYPE must be one of {BENCH_DTYPES}, got {dtype!r}")
     config._bench_dtype = dtype
+    config._bench_attention_backend = config.getoption("--bench-attention-backend")
     config._bench_started = time.time()
 
 
@@ -74,9 +81,10 @@ def pytest_generate_tests(metafunc):
 class BenchSession:
     """Models, engines and HF models, each built once per session and only when a test needs it."""
 
-    def __init__(self, sizes: BenchSizes, dtype: str = "float32") -> None:
+    def __init__(self, sizes: BenchSizes, dtype: str = "float32", attention_backend: str = "auto") -> None:
         self.sizes = sizes
         self.dtype = dtype
+        self.attention_backend = attention_backend
         self._engines: dict[str, object] = {}
         self._hf: dict[str, object] = {}
         # Median cold start-up seconds of ours per model, for the warm/cold check.
@@ -113,6 +121,7 @@ class BenchSession:
         Prefix caching is off unless a suite asks for it: the suites repeat their requests round
         after round, and against HF (no prefix cache) every round must compute its prompt."""
         options.setdefault("enable_prefix_caching", False)
+        options.setdefault("attention_backend", self.attention_backend)
         key = (name, tuple(sorted(options.items())))
         if key not in self._engines:
             llm = load_engine(self.model_dir(name), self.settings(name), self.dtype, **options)
@@ -135,7 +144,9 @@ class BenchSession:
 
 @pytest.fixture(scope="session")
 def bench_session(request) -> BenchSession:
-    return BenchSession(request.config._bench_sizes, request.config._bench_dtype)
+    return BenchSession(
+        request.config._bench_sizes, request.config._bench_dtype, request.config._bench_attention_backend
+    )
 
 
 @pytest.fixture(scope="session")
@@ -184,6 +195,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["compiled_engine_bench"] = {
         "profile": sizes.profile,
         "dtype": config._bench_dtype,
+        "attention_backend": config._bench_attention_backend,
         "sizes": sizes.__dict__,
         "command": f"{Path(sys.executable).name} -m pytest {args}",
         "session_wall_s": time.time() - config._bench_started,

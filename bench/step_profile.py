@@ -14,7 +14,8 @@ profiling on, and each profiled event's own time is put in one group:
 - outside the graph: the rest of the engine step (schedule, input staging, sampling, update,
   output processing), i.e. step wall time minus the graph's call.
 
-    python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10]
+    python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10] [--attention-backend cpu]
+                                 [--top N]
 
 The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
 graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
@@ -37,7 +38,12 @@ from collections import defaultdict
 
 GROUPS = ("linears", "attention", "other graph kernels", "graph wrapper and ops", "outside the graph")
 _LINEAR_EVENTS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
-_ATTENTION_EVENTS = ("compiled_engine::kv_cache_write", "compiled_engine::materialize", "aten::index_copy_")
+_ATTENTION_EVENTS = (
+    "compiled_engine::kv_cache_write",
+    "compiled_engine::materialize",
+    "compiled_engine::paged_attention_cpu",
+    "aten::index_copy_",
+)
 _GRAPH_CALL = "## Call CompiledFxGraph"
 
 
@@ -56,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--attention-backend", default="auto", help="as LLM(attention_backend=...)")
+    parser.add_argument("--top", type=int, default=0, help="also list the N costliest events")
     args = parser.parse_args(argv)
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
     if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=4096,
         num_kv_blocks=args.seqs * (max_len // 16 + 1),
         async_scheduling=False,
+        attention_backend=args.attention_backend,
     )
     engine = llm.engine
     # Room to the end of the model length: requests that finish their prefill early decode during
@@ -120,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     for group in GROUPS:
         ms = per_step[group]
         print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
+    print(f"  (attention backend: {engine.core.runner.attention_backend.name})")
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    for event in events[: args.top]:
+        ms = event.self_cpu_time_total / 1e3 / args.steps
+        print(f"    {ms:7.3f} ms  {event.count // args.steps:4d}x  {event.key}")
     return 0
 
 

@@ -3,9 +3,11 @@
 - "torch": `compiled_engine::paged_attention`, the pure-torch reference; runs on every device.
 - "triton": `compiled_engine::paged_attention_triton` (kernels/triton_attention.py); needs the
   triton package and a CUDA device, or TRITON_INTERPRET=1 to run on the CPU (slow: for tests).
+- "cpu": `compiled_engine::paged_attention_cpu` (kernels/cpu_attention.py), a C++ kernel built at
+  first use; needs the CPU and a C++ compiler.
 - "flashinfer": reserved; resolving it checks its requirements, but no op is wired up yet.
 - "auto": on CUDA the best one available (flashinfer once wired, then triton, then torch); on
-  any other device "torch", whatever is installed.
+  the CPU "cpu" when its kernel builds, else "torch".
 
 Every backend computes the same thing (the contract in kernels/paged_attention.py); the version
 string goes into compile-cache keys so graphs built for one backend are not reused by another.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
 
 # Flips to True once kernels for flashinfer exist; until then "auto" passes over it.
 _FLASHINFER_WIRED = False
@@ -47,6 +49,11 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> Attentio
         name = _auto_backend_name(device)
     if name == "torch":
         return _torch_backend()
+    if name == "cpu":
+        problem = _cpu_problem(device)
+        if problem:
+            raise AttentionBackendUnavailableError(problem)
+        return _cpu_backend()
     if name == "triton":
         problem = _triton_problem(device)
         if problem:
@@ -59,7 +66,10 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> Attentio
 
 
 def _auto_backend_name(device: torch.device) -> str:
-    # Off CUDA the torch op is the CPU path: the Triton interpreter is far too slow to serve.
+    # Off CUDA: the CPU kernel where it builds, else the torch op (the Triton interpreter is far
+    # too slow to serve).
+    if device.type == "cpu":
+        return "cpu" if _cpu_problem(device) is None else "torch"
     if device.type != "cuda":
         return "torch"
     if _FLASHINFER_WIRED and _flashinfer_problem(device) is None:
@@ -76,6 +86,19 @@ def _torch_backend() -> AttentionBackend:
     return AttentionBackend(
         "torch", f"{PAGED_ATTENTION_VERSION}+{REFERENCE_VERSION}", torch.ops.compiled_engine.paged_attention
     )
+
+
+def _cpu_backend() -> AttentionBackend:
+    from compiled_engine.kernels.cpu_attention import CPU_ATTENTION_VERSION
+
+    return AttentionBackend("cpu", CPU_ATTENTION_VERSION, torch.ops.compiled_engine.paged_attention_cpu)
+
+
+def _cpu_problem(device: torch.device) -> str | None:
+    """Why the cpu backend cannot run on `device`, or None if it can (its kernel is then built)."""
+    from compiled_engine.kernels.cpu_attention import cpu_attention_problem
+
+    return cpu_attention_problem(device)
 
 
 def _triton_backend() -> AttentionBackend:

@@ -44,8 +44,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton", "flashinfer"],
-        help="paged-attention kernels (default auto: triton on CUDA when installed, else torch)",
+        choices=["auto", "torch", "cpu", "triton", "flashinfer"],
+        help="paged-attention kernels (default auto: triton on CUDA when installed, else torch; "
+        "on CPU the cpu kernel when a C++ compiler builds it, else torch)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -47,11 +47,11 @@ class LLM:
         `async_scheduling` overlaps the host's scheduling and input preparation for the next step
         with the current one (None: the best default for the device — on for CUDA, off for CPU);
         `attention_backend` picks the paged-attention kernels: "auto" (CUDA: triton when installed,
-        else torch; CPU: torch), "torch", "triton" (on CPU only under TRITON_INTERPRET=1, for
-        tests) or "flashinfer" (kernels/backends.py); `enable_prefix_caching` keeps computed KV blocks
-        and lets later requests whose tokens start the same way (a shared system prompt, the n
-        samples of one prompt, a recompute after preemption) reuse them instead of computing them
-        again (core/kv_cache_manager.py; `stats()` reports the hit rate); `tensor_parallel_size`
+        else torch; CPU: cpu when its C++ kernel builds, else torch), "torch", "cpu", "triton" (on
+        CPU only under TRITON_INTERPRET=1, for tests) or "flashinfer" (kernels/backends.py);
+        `enable_prefix_caching` keeps computed KV blocks and lets later requests whose tokens
+        start the same way (a shared system prompt, the n samples of one prompt, a recompute
+        after preemption) reuse them instead of computing them again (core/kv_cache_manager.py; `stats()` reports the hit rate); `tensor_parallel_size`
         shards the model over that many ranks, this process and N-1 worker processes it starts
         (compiled_engine/distributed/; `close()` or collecting the LLM stops them)."""
         if model is None:

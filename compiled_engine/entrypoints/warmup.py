@@ -18,6 +18,8 @@ from compiled_engine.graphs.compiled_step import BucketBuild, BucketVariant, Com
 class WarmupRow:
     bucket: int | None
     build: BucketBuild
+    # How the graph attends: "inline" (Inductor-fused maths) or the attention backend's op.
+    attention: str = "torch"
 
 
 def warm_up_buckets(step: CompiledStep, show_progress: bool = True) -> list[WarmupRow]:
@@ -28,7 +30,13 @@ def warm_up_buckets(step: CompiledStep, show_progress: bool = True) -> list[Warm
             bar.set_postfix_str(_bucket_label(bucket))
             step.compile_buckets([bucket])
             bar.update(1)
-    return [WarmupRow(bucket, step.builds[bucket]) for bucket in buckets]
+    backend = step.attention_backend.name if step.attention_backend is not None else "torch"
+    return [
+        WarmupRow(
+            bucket, step.builds[bucket], "inline" if step.builds[bucket].variant.inline_attention else backend
+        )
+        for bucket in buckets
+    ]
 
 
 def _bucket_label(bucket: int | None) -> str:
@@ -52,7 +60,7 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
                 _bucket_label(row.bucket),
                 "hit" if hit else "miss",
                 linears_label(build.variant),
-                "inline" if build.variant.inline_attention else "op",
+                row.attention,
                 "-" if hit else f"{build.seconds:.2f}",
                 f"{build.seconds:.2f}" if hit else "-",
                 "yes" if build.saved else "no",

@@ -100,6 +100,9 @@ class ModelRunner:
         tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
         self.device = device
+        if not enforce_eager:
+            # Before the backend: the CPU kernel builds into Inductor's cache dir, kept in ours.
+            use_inductor_cache_in(CompileCache(cache_dir).root)
         # Resolved first: an unavailable backend is a clear error before anything is built.
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.kv_caches = kv_caches
@@ -129,7 +132,6 @@ class ModelRunner:
             )
             buckets = tuple(buckets)
             cache = CompileCache(cache_dir)
-            use_inductor_cache_in(cache.root)
             options = GraphOptions(
                 dtype=kv_caches[0].dtype,
                 block_size=block_size,

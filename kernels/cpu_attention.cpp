@@ -1,0 +1,351 @@
+// Paged attention for the CPU: one pass over each row's visible keys with an online softmax.
+//
+// Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
+// through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops, no
+// intrinsics: the compiler vectorises them for whatever ISA the machine has.
+//
+// Why a hand-written loop: Inductor's version of the same maths (kernels/inline_attention.py)
+// reduces over the head dimension once per key and runs the softmax as separate passes over the
+// scores; this kernel reads each key and value once, keeps the running max, sum and output of
+// every query head of a KV-head group in registers/L1, and never touches a masked slot (so NaN or
+// inf left in unused cache slots cannot reach a result, with no mask at all).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+inline float load(const uint16_t* p, int64_t i) {  // bfloat16 -> float: the high half of the bits
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float load(const _Float16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+
+inline void store(_Float16* p, int64_t i, float v) { p[i] = static_cast<_Float16>(v); }
+
+inline void store(uint16_t* p, int64_t i, float v) {  // float -> bfloat16, round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN (quiet)
+    p[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p[i] = static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0, vectorisable (libm's expf is not without -ffast-math, which would also
+// break the inf semantics this kernel relies on). Range reduction x = n ln2 + f, |f| <= ln2/2,
+// then a degree-6 Taylor polynomial: relative error ~1e-7. Underflows to 0 below -87.
+inline float exp_nonpositive(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t e = static_cast<int32_t>(std::max(n, -126.0f)) + 127;
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+inline int64_t read_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+struct Problem {
+  const void* query;  // [T, Hq, D], rows q_stride_t apart, heads q_stride_h apart
+  int64_t q_stride_t, q_stride_h;
+  const void* key;  // this step's [T, Hkv, D] keys and values, to write into the cache first
+  int64_t k_stride_t, k_stride_h;
+  const void* value;
+  int64_t v_stride_t, v_stride_h;
+  void* key_cache;  // element (block, slot, head, d) at block*stride_block + slot*stride_slot + head*stride_head + d
+  void* value_cache;
+  int64_t stride_block, stride_slot, stride_head;
+  const void* slot_mapping;  // [T]; -1: padding, written to the scratch block (the cache's last)
+  bool slots64;
+  const void* block_tables;  // [S, W], rows bt_stride apart
+  int64_t bt_stride;
+  bool bt64;
+  const void* seq_lens;  // [S]
+  bool sl64;
+  const void* query_start_loc;  // [S + 1]
+  bool qsl64;
+  void* out;  // [T, Hq, D] contiguous
+  int64_t num_tokens, num_seqs, width, num_blocks, block_size, num_q_heads, num_kv_heads, head_dim;
+  int64_t sliding_window;  // <= 0: none
+  float scale;
+  float softcap;  // <= 0: none
+};
+
+// Row t's keys and values into its cache slot, as kernels/reference.py writes them.
+template <typename T>
+void write_row(const Problem& pb, int64_t t) {
+  int64_t slot = read_index(pb.slot_mapping, pb.slots64, t);
+  if (slot < 0) slot = (pb.num_blocks - 1) * pb.block_size;
+  const int64_t base = (slot / pb.block_size) * pb.stride_block + (slot % pb.block_size) * pb.stride_slot;
+  const size_t bytes = static_cast<size_t>(pb.head_dim) * sizeof(T);
+  for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
+    std::memcpy(static_cast<T*>(pb.key_cache) + base + h * pb.stride_head,
+                static_cast<const T*>(pb.key) + t * pb.k_stride_t + h * pb.k_stride_h, bytes);
+    std::memcpy(static_cast<T*>(pb.value_cache) + base + h * pb.stride_head,
+                static_cast<const T*>(pb.value) + t * pb.v_stride_t + h * pb.v_stride_h, bytes);
+  }
+}
+
+// Sequence of row t (-1 if the row is padding) and the row's absolute position.
+inline int64_t row_sequence(const Problem& pb, int64_t t, int64_t* position) {
+  if (t < read_index(pb.query_start_loc, pb.qsl64, 0)) return -1;
+  int64_t lo = 0, hi = pb.num_seqs;  // first s with query_start_loc[s + 1] > t
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (read_index(pb.query_start_loc, pb.qsl64, mid + 1) > t) hi = mid; else lo = mid + 1;
+  }
+  if (lo >= pb.num_seqs) return -1;
+  const int64_t end = read_index(pb.query_start_loc, pb.qsl64, lo + 1);
+  *position = read_index(pb.seq_lens, pb.sl64, lo) - (end - t);
+  return lo;
+}
+
+// Attends row t for KV heads [head_begin, head_end) and all their query heads. Walking every head
+// of a slot together reads the cache's [slot, head, d] rows front to back, which the hardware
+// prefetcher follows; one head at a time read a quarter of each row at a stride.
+template <typename T, int kHeadDim>
+void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_end, float* work) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : pb.head_dim;
+  const int64_t group = pb.num_q_heads / pb.num_kv_heads;
+  const int64_t heads = (head_end - head_begin) * group;  // query heads in this item
+  const int64_t bs = pb.block_size;
+  const T* query = static_cast<const T*>(pb.query);
+  const T* keys = static_cast<const T*>(pb.key_cache);
+  const T* values = static_cast<const T*>(pb.value_cache);
+  T* out = static_cast<T*>(pb.out);
+  const int64_t first_head = head_begin * group;
+
+  // Per query head: q [D], acc [D], scores [block], max, sum (work is sized by the caller).
+  float* q = work;
+  float* acc = q + heads * D;
+  float* scores = acc + heads * D;
+  float* row_max = scores + heads * bs;
+  float* row_sum = row_max + heads;
+
+  int64_t position = -1;
+  const int64_t seq = row_sequence(pb, t, &position);
+  // Keys [lo, hi) are visible: causal up to the row's position, inside the window, inside the table.
+  const int64_t hi = seq < 0 ? 0 : std::min(position + 1, pb.width * bs);
+  const int64_t lo = (seq < 0 || pb.sliding_window <= 0) ? 0 : std::max<int64_t>(0, position - pb.sliding_window + 1);
+
+  const bool capped = pb.softcap > 0.0f;
+  // Without a cap the scale folds into the query; with one it applies before the tanh.
+  const float qs = capped ? 1.0f : pb.scale;
+  for (int64_t i = 0; i < heads; ++i) {
+    const int64_t base = t * pb.q_stride_t + (first_head + i) * pb.q_stride_h;
+    for (int64_t d = 0; d < D; ++d) q[i * D + d] = load(query, base + d) * qs;
+    for (int64_t d = 0; d < D; ++d) acc[i * D + d] = 0.0f;
+    row_max[i] = -std::numeric_limits<float>::infinity();
+    row_sum[i] = 0.0f;
+  }
+
+  // Blocks sit anywhere in the cache, so the hardware prefetcher restarts cold at each one: ask
+  // for the rows of the block kAhead columns on while this one computes (and for the first ones
+  // up front), spread over this block's keys.
+  const int64_t row_bytes = (head_end - head_begin) * pb.stride_head * static_cast<int64_t>(sizeof(T));
+  const int64_t last_column = (hi - 1) / bs;
+  auto block_base = [&](int64_t column) {
+    int64_t block = read_index(pb.block_tables, pb.bt64, seq * pb.bt_stride + column);
+    block = std::min(std::max<int64_t>(block, 0), pb.num_blocks - 1);  // never read outside the cache
+    return block * pb.stride_block + head_begin * pb.stride_head;
+  };
+  if (lo < hi) {
+    for (int64_t c = lo / bs; c < std::min(lo / bs + kAhead, last_column + 1); ++c) {
+      const int64_t base = block_base(c);
+      for (int64_t r = 0; r < bs; ++r) {
+        prefetch_row(keys + base + r * pb.stride_slot, row_bytes);
+        prefetch_row(values + base + r * pb.stride_slot, row_bytes);
+      }
+    }
+  }
+
+  for (int64_t start = lo; start < hi;) {
+    const int64_t column = start / bs;
+    const int64_t stop = std::min(hi, (column + 1) * bs);
+    const int64_t n = stop - start;
+    const int64_t first_slot = block_base(column) - head_begin * pb.stride_head + (start - column * bs) * pb.stride_slot;
+    const int64_t ahead = column + kAhead <= last_column ? block_base(column + kAhead) : -1;
+
+    for (int64_t j = 0; j < n; ++j) {
+      if (ahead >= 0) {
+        for (int64_t r = j; r < bs; r += n) {  // all bs rows, also when this block is partial
+          prefetch_row(keys + ahead + r * pb.stride_slot, row_bytes);
+          prefetch_row(values + ahead + r * pb.stride_slot, row_bytes);
+        }
+      }
+      for (int64_t h = head_begin; h < head_end; ++h) {
+        const int64_t k = first_slot + j * pb.stride_slot + h * pb.stride_head;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = (h - head_begin) * group + g;
+          const float* qi = q + i * D;
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qi[d] * load(keys, k + d);
+          scores[i * bs + j] = s;
+        }
+      }
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+      float* si = scores + i * bs;
+      if (capped) {
+        for (int64_t j = 0; j < n; ++j) si[j] = pb.softcap * std::tanh(si[j] * pb.scale / pb.softcap);
+      }
+      float block_max = row_max[i];
+      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
+      // First block: the old max is -inf and there is nothing to rescale.
+      const float correction = row_max[i] == -std::numeric_limits<float>::infinity()
+                                   ? 0.0f
+                                   : exp_nonpositive(row_max[i] - block_max);
+      row_max[i] = block_max;
+      float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < n; ++j) {
+        si[j] = exp_nonpositive(si[j] - block_max);
+        block_sum += si[j];
+      }
+      row_sum[i] = row_sum[i] * correction + block_sum;
+      if (correction != 1.0f) {
+        float* ai = acc + i * D;
+        for (int64_t d = 0; d < D; ++d) ai[d] *= correction;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t h = head_begin; h < head_end; ++h) {
+        const int64_t v = first_slot + j * pb.stride_slot + h * pb.stride_head;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = (h - head_begin) * group + g;
+          const float w = scores[i * bs + j];
+          float* ai = acc + i * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ai[d] += w * load(values, v + d);
+        }
+      }
+    }
+    start = stop;
+  }
+
+  for (int64_t i = 0; i < heads; ++i) {
+    // A row with no visible key (padding, or an empty window) gives zeros.
+    const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
+    const int64_t base = (t * pb.num_q_heads + first_head + i) * D;
+    for (int64_t d = 0; d < D; ++d) store(out, base + d, acc[i * D + d] * inv);
+  }
+}
+
+template <typename T, int kHeadDim>
+void run(const Problem& pb, int num_threads) {
+  // Whole rows when there are enough of them to share out; with few rows (batch-1 decode) split
+  // the KV heads too, so every thread has work.
+  int64_t chunks = 1;
+  while (chunks < pb.num_kv_heads && pb.num_tokens * chunks < 2 * num_threads) chunks *= 2;
+  chunks = std::min(chunks, pb.num_kv_heads);
+  const int64_t per_chunk = (pb.num_kv_heads + chunks - 1) / chunks;
+  const int64_t items = pb.num_tokens * chunks;
+  const int64_t group = pb.num_q_heads / pb.num_kv_heads;
+  const int64_t heads = per_chunk * group;
+  const int64_t work_floats = heads * (2 * pb.head_dim + pb.block_size + 2);
+#pragma omp parallel num_threads(num_threads)
+  {
+    // The write first; the loop's barrier keeps every read after it. Padding rows all land on
+    // the scratch slot, which nothing reads.
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < pb.num_tokens; ++t) write_row<T>(pb, t);
+    std::vector<float> work(static_cast<size_t>(work_floats) + 16);
+    // Dynamic: under a causal prefill later rows see more keys than earlier ones.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t head_begin = (item % chunks) * per_chunk;
+      const int64_t head_end = std::min(pb.num_kv_heads, head_begin + per_chunk);
+      if (head_begin < head_end) attend_row<T, kHeadDim>(pb, item / chunks, head_begin, head_end, work.data());
+    }
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const Problem& pb, int num_threads) {
+  switch (pb.head_dim) {
+    case 64: run<T, 64>(pb, num_threads); break;
+    case 128: run<T, 128>(pb, num_threads); break;
+    default: run<T, 0>(pb, num_threads); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// `ints` holds, in this order (pointers as integers; strides in elements; flags 0/1):
+//   query, q_stride_t, q_stride_h, key, k_stride_t, k_stride_h, value, v_stride_t, v_stride_h,
+//   key_cache, value_cache, stride_block, stride_slot, stride_head, slot_mapping, slots64,
+//   block_tables, bt_stride, bt64, seq_lens, sl64, query_start_loc, qsl64, out,
+//   num_tokens, num_seqs, width, num_blocks, block_size, num_q_heads, num_kv_heads, head_dim,
+//   sliding_window, dtype (0 float32, 1 bfloat16, 2 float16: query, keys, caches and output
+//   share it), num_threads
+// (one array, not 35 arguments: the call runs once per layer per step, and every foreign
+// argument costs the Python caller time). Returns 0, or a nonzero code for arguments it cannot
+// take (the Python side checks first: this is a backstop).
+int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap) {
+  const int64_t* a = ints;
+  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<intptr_t>(v)); };
+  Problem pb{};
+  pb.query = ptr(a[0]), pb.q_stride_t = a[1], pb.q_stride_h = a[2];
+  pb.key = ptr(a[3]), pb.k_stride_t = a[4], pb.k_stride_h = a[5];
+  pb.value = ptr(a[6]), pb.v_stride_t = a[7], pb.v_stride_h = a[8];
+  pb.key_cache = ptr(a[9]), pb.value_cache = ptr(a[10]);
+  pb.stride_block = a[11], pb.stride_slot = a[12], pb.stride_head = a[13];
+  pb.slot_mapping = ptr(a[14]), pb.slots64 = a[15] != 0;
+  pb.block_tables = ptr(a[16]), pb.bt_stride = a[17], pb.bt64 = a[18] != 0;
+  pb.seq_lens = ptr(a[19]), pb.sl64 = a[20] != 0;
+  pb.query_start_loc = ptr(a[21]), pb.qsl64 = a[22] != 0;
+  pb.out = ptr(a[23]);
+  pb.num_tokens = a[24], pb.num_seqs = a[25], pb.width = a[26], pb.num_blocks = a[27];
+  pb.block_size = a[28], pb.num_q_heads = a[29], pb.num_kv_heads = a[30], pb.head_dim = a[31];
+  pb.sliding_window = a[32];
+  pb.scale = scale, pb.softcap = softcap;
+  const int64_t dtype = a[33];
+  const int num_threads = static_cast<int>(a[34]);
+  if (pb.num_kv_heads <= 0 || pb.num_q_heads % pb.num_kv_heads != 0 || pb.head_dim <= 0 ||
+      pb.block_size <= 0 || pb.num_seqs <= 0 || pb.num_blocks <= 0 || num_threads <= 0) {
+    return 1;
+  }
+  if (pb.num_tokens <= 0) return 0;
+  switch (dtype) {
+    case 0: dispatch_head_dim<float>(pb, num_threads); return 0;
+    case 1: dispatch_head_dim<uint16_t>(pb, num_threads); return 0;
+    case 2: dispatch_head_dim<_Float16>(pb, num_threads); return 0;
+    default: return 2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,128 @@
+"""Build and load kernels/cpu_attention.cpp as a shared library, once per machine and source.
+
+The library lives in Inductor's cache dir (the engine points that into its compile cache, see
+graphs/compile_cache.py), next to the C++ Inductor builds for the same graphs, under a name keyed
+by everything that shapes the binary: the source, the compiler and its version, the flags and
+the CPU (flags are `-march=native`, so a cache copied to another machine must not reuse it). A
+first build takes ~1-2 s; later processes only load it. The write is atomic (build to a temporary
+name in the same folder, then rename), so concurrent first uses are safe.
+
+It links OpenMP by soname, so in a process that imported torch the kernel shares torch's OpenMP
+runtime and thread pool (torch's wheel ships libgomp.so.1), as Inductor's own kernels do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+COMPILER_ENV = "CXX"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+
+_LOCK = threading.Lock()
+
+
+class CpuKernelBuildError(RuntimeError):
+    """The CPU attention kernel could not be built or loaded; the message says why."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use ($CXX, else g++), or None if there is none on PATH."""
+    return shutil.which(os.environ.get(COMPILER_ENV, "").strip() or "g++")
+
+
+@cache
+def _compiler_identity(path: str) -> str:
+    result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    return result.stdout.splitlines()[0] if result.stdout else path
+
+
+def _cpu_identity() -> str:
+    # /proc/cpuinfo's model and flags say what -march=native will target; elsewhere the arch only.
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or platform.machine()
+
+
+def library_key(source: bytes, compiler_path: str) -> str:
+    digest = hashlib.sha256()
+    for part in (source, _compiler_identity(compiler_path).encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    digest.update(_cpu_identity().encode())
+    return digest.hexdigest()[:20]
+
+
+def default_build_dir() -> Path:
+    # The variable when set (the engine sets it to its compile cache): resolving Inductor's
+    # default imports much of Inductor (~1 s).
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "").strip()
+    if chosen:
+        return Path(chosen) / "compiled_engine_cpu_kernels"
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "compiled_engine_cpu_kernels"
+
+
+def build(directory: Path | None = None) -> Path:
+    """The shared library for this source, compiler and CPU: built into `directory` if missing."""
+    cxx = compiler()
+    if cxx is None:
+        raise CpuKernelBuildError(
+            f"no C++ compiler: set ${COMPILER_ENV} or install g++ (needed for the CPU attention kernel)"
+        )
+    source = SOURCE.read_bytes()
+    directory = directory or default_build_dir()
+    target = directory / f"cpu_attention-{library_key(source, cxx)}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
+        )
+        if result.returncode != 0:
+            raise CpuKernelBuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_loaded: ctypes.CDLL | None = None
+
+
+def load(directory: Path | None = None) -> ctypes.CDLL:
+    """The loaded library (built first if needed); the same handle for the whole process."""
+    global _loaded
+    with _LOCK:
+        if _loaded is None:
+            path = build(directory)
+            try:
+                library = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
+            # (const int64_t* ints, float scale, float softcap) -> int; see the .cpp.
+            library.ce_cpu_paged_attention.argtypes = [
+                ctypes.POINTER(ctypes.c_int64),
+                ctypes.c_float,
+                ctypes.c_float,
+            ]
+            library.ce_cpu_paged_attention.restype = ctypes.c_int
+            _loaded = library
+        return _loaded

@@ -1,0 +1,88 @@
+"""Paged-attention op inputs for kernel tests: shuffled blocks with holes, NaN in unwritten slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One op call's inputs; `kv_cache` is the initial cache, copied for each implementation."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_pad_rows: int
+
+    def args(self, kv_cache: torch.Tensor) -> tuple:
+        return (
+            self.query,
+            self.key,
+            self.value,
+            kv_cache,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+        )
+
+
+def make_attention_batch(
+    spans,
+    *,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    block_size=4,
+    dtype=torch.float32,
+    num_pad_rows=0,
+    seed=0,
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """spans: (tokens cached before, tokens fed now) per sequence; (0, 0) is an empty padding row.
+
+    Blocks are handed out shuffled with unused blocks left between them; never-written slots hold
+    NaN, so a kernel that reads past a sequence's end or outside the mask shows up.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(done + new) // block_size) for done, new in spans]
+    num_usable = sum(needed) + 2 * len(spans)  # spare blocks: holes between the used ones
+    free = torch.randperm(num_usable, generator=gen).tolist()
+    kv_cache = torch.full((2, num_usable + 1, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    tables = torch.full((len(spans), max(needed) + 1), -1, dtype=torch.int32)  # a spare column of -1
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    slots, starts = [], [0]
+    for row, ((done, new), count) in enumerate(zip(spans, needed, strict=True)):
+        ids, free = free[:count], free[count:]
+        tables[row, :count] = torch.tensor(ids, dtype=torch.int32)
+        for pos in range(done):
+            kv_cache[:, ids[pos // block_size], pos % block_size] = randn(2, num_kv_heads, head_dim)
+        slots += [ids[pos // block_size] * block_size + pos % block_size for pos in range(done, done + new)]
+        starts.append(starts[-1] + new)
+    num_tokens = starts[-1] + num_pad_rows
+    slots += [-1] * num_pad_rows
+
+    def on_device(t):
+        return t.to(device)
+
+    return Batch(
+        query=on_device(randn(num_tokens, num_q_heads, head_dim)),
+        key=on_device(randn(num_tokens, num_kv_heads, head_dim)),
+        value=on_device(randn(num_tokens, num_kv_heads, head_dim)),
+        kv_cache=on_device(kv_cache),
+        slot_mapping=on_device(torch.tensor(slots, dtype=torch.int64)),
+        block_tables=on_device(tables),
+        seq_lens=on_device(torch.tensor([done + new for done, new in spans], dtype=torch.int32)),
+        query_start_loc=on_device(torch.tensor(starts, dtype=torch.int32)),
+        num_pad_rows=num_pad_rows,
+    )
