@@ -51,9 +51,10 @@ class LLM:
         CPU only under TRITON_INTERPRET=1, for tests) or "flashinfer" (kernels/backends.py);
         `enable_prefix_caching` keeps computed KV blocks and lets later requests whose tokens
         start the same way (a shared system prompt, the n samples of one prompt, a recompute
-        after preemption) reuse them instead of computing them again (core/kv_cache_manager.py; `stats()` reports the hit rate); `tensor_parallel_size`
-        shards the model over that many ranks, this process and N-1 worker processes it starts
-        (compiled_engine/distributed/; `close()` or collecting the LLM stops them)."""
+        after preemption) reuse them instead of computing them again (core/kv_cache_manager.py;
+        `stats()` reports the hit rate); `tensor_parallel_size` shards the model over that many
+        ranks, this process and N-1 worker processes it starts (compiled_engine/distributed/;
+        `close()` or collecting the LLM stops them)."""
         if model is None:
             # The small code model shipped inside the package: works offline, out of the box.
             model = str(default_model_dir())
