@@ -313,8 +313,9 @@ extern "C" {
 //   sliding_window, dtype (0 float32, 1 bfloat16, 2 float16: query, keys, caches and output
 //   share it), num_threads
 // (one array, not 35 arguments: the call runs once per layer per step, and every foreign
-// argument costs the Python caller time). Returns 0, or a nonzero code for arguments it cannot
-// take (the Python side checks first: this is a backstop).
+// argument costs the Python caller time). Returns 0; 3 if a slot lies past the cache (nothing
+// is written then); 1 or 2 for sizes or a dtype it cannot take (the Python side checks those
+// first: a backstop).
 int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap) {
   const int64_t* a = ints;
   auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<intptr_t>(v)); };
@@ -340,6 +341,10 @@ int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap) {
     return 1;
   }
   if (pb.num_tokens <= 0) return 0;
+  const int64_t num_slots = pb.num_blocks * pb.block_size;
+  for (int64_t t = 0; t < pb.num_tokens; ++t) {  // a slot past the cache would write outside it
+    if (read_index(pb.slot_mapping, pb.slots64, t) >= num_slots) return 3;
+  }
   switch (dtype) {
     case 0: dispatch_head_dim<float>(pb, num_threads); return 0;
     case 1: dispatch_head_dim<uint16_t>(pb, num_threads); return 0;

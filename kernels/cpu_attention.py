@@ -109,6 +109,8 @@ def paged_attention_cpu(
         sliding_window, _DTYPE_CODES[dtype], torch.get_num_threads(),
     )  # fmt: skip
     code = cpu_attention_build.load().ce_cpu_paged_attention(ints, scale, softcap)
+    if code == 3:
+        raise IndexError(f"slot_mapping holds a slot past the cache's {num_blocks * block_size} slots")
     if code != 0:
         raise RuntimeError(f"paged_attention_cpu: the kernel rejected its arguments (code {code})")
     return out

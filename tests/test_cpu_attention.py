@@ -126,6 +126,17 @@ def test_query_dtype_must_match_the_cache():
         torch.ops.compiled_engine.paged_attention_cpu(*batch.args(batch.kv_cache.half()), 0.25)
 
 
+def test_a_slot_past_the_cache_is_refused_and_nothing_is_written():
+    batch = make_attention_batch([(5, 3)], dtype=torch.float32)
+    num_slots = batch.kv_cache.shape[1] * batch.kv_cache.shape[2]
+    batch.slot_mapping = batch.slot_mapping.clone()
+    batch.slot_mapping[1] = num_slots
+    cache = batch.kv_cache.clone()
+    with pytest.raises(IndexError, match="past the cache"):
+        torch.ops.compiled_engine.paged_attention_cpu(*batch.args(cache), 0.25)
+    torch.testing.assert_close(cache, batch.kv_cache, atol=0, rtol=0, equal_nan=True)
+
+
 def test_op_under_torch_compile_writes_the_real_cache():
     torch._dynamo.reset()
     batch = make_attention_batch([(6, 4), (2, 1)], head_dim=16, num_pad_rows=2)
