@@ -1,5 +1,6 @@
-"""Per-layer cost of CPU paged decode attention: the reference op vs the Inductor-compiled inline one
-(all shapes static, and as the engine's decode buckets compile it: block-table width symbolic).
+"""Per-layer cost of CPU paged decode attention: the reference op, the Inductor-compiled inline maths
+(all shapes static, and as the engine's decode buckets compile it: block-table width symbolic), and
+the cpu backend's C++ kernel (kernels/cpu_attention.py; an extern call, timed as graphs call it).
 
 Decode steps at bench-small's attention shape (8 q heads, 4 kv heads, head dim 64, block 16, fp32),
 every sequence at the same context length. Each row times one layer's attention —
@@ -108,6 +109,11 @@ def inline_layer(
     return paged_attention_inline(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
+def cpu_kernel_layer(step: DecodeStep, scale: float) -> torch.Tensor:
+    # The KV write and the attention in one call, as every graph of the cpu backend calls it.
+    return torch.ops.compiled_engine.paged_attention_cpu(*step.op_args(scale))
+
+
 def inline_layer_symbolic_width(*args) -> torch.Tensor:
     # Its own function, so Dynamo compiles it apart from inline_layer (its cache is per code object).
     return inline_layer(*args)
@@ -174,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         "reference eager",
         "inline static",
         "inline sym. width",
+        "cpu kernel",
         "KV floor",
         "max |diff|",
     )
-    print("{:>11} {:>17} {:>17} {:>17} {:>9} {:>11}".format(*columns))
+    print("{:>11} {:>17} {:>17} {:>17} {:>17} {:>9} {:>11}".format(*columns))
     for num_seqs, context in parse_cases(args.cases):
         step = make_decode_step(num_seqs, context)
         # Static shapes, as a shape-specialised decode bucket would be compiled.
@@ -186,27 +193,31 @@ def main(argv: list[str] | None = None) -> int:
         expected = reference_layer(step, scale)
         symbolic = compile_symbolic_width(inputs)
         diff = max(
-            (compiled(*inputs) - expected).abs().max().item(), (symbolic() - expected).abs().max().item()
+            (got - expected).abs().max().item()
+            for got in (compiled(*inputs), symbolic(), cpu_kernel_layer(step, scale))
         )
         timings = time_interleaved(
             {
                 "reference": lambda step=step: reference_layer(step, scale),
                 "inline": lambda compiled=compiled, inputs=inputs: compiled(*inputs),
                 "symbolic": symbolic,
+                "cpu": lambda step=step: cpu_kernel_layer(step, scale),
             },
             args.repeats,
         )
         floor = step.kv_bytes_read / (read_gb_s * 1e9) * 1e3
-        cells = [f"{timings[n][0]:.3f} / {timings[n][1]:.3f}" for n in ("reference", "inline", "symbolic")]
+        names = ("reference", "inline", "symbolic", "cpu")
+        cells = [f"{timings[n][0]:.3f} / {timings[n][1]:.3f}" for n in names]
         case = f"{num_seqs} x {context}"
-        print(f"{case:>11} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {floor:>9.3f} {diff:>11.1e}")
+        print(f"{case:>11} " + " ".join(f"{c:>17}" for c in cells) + f" {floor:>9.3f} {diff:>11.1e}")
         if args.share:
+            # The engine on the cpu backend, against that kernel's own per-layer time.
             step_ms = engine_decode_step_ms(num_seqs, context, args.repeats)
             layers = _bench_small_layers()
-            attention_ms = layers * timings["inline"][0]
+            attention_ms = layers * timings["cpu"][0]
             print(
-                f"{'':>11} engine decode step {step_ms:.2f} ms (median); attention + KV write "
-                f"{layers} x {timings['inline'][0]:.3f} = {attention_ms:.2f} ms = "
+                f"{'':>11} engine decode step {step_ms:.2f} ms (median, cpu backend); attention + KV "
+                f"write {layers} x {timings['cpu'][0]:.3f} = {attention_ms:.2f} ms = "
                 f"{attention_ms / step_ms:.0%} of the step; KV-read floor alone "
                 f"{layers * floor / step_ms:.0%}"
             )
@@ -234,6 +245,7 @@ def engine_decode_step_ms(num_seqs: int, context: int, steps: int) -> float:
         max_num_batched_tokens=4096,
         num_kv_blocks=num_seqs * ((context + steps + 16) // BLOCK_SIZE + 1),
         async_scheduling=False,
+        attention_backend="cpu",
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
