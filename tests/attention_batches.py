@@ -86,3 +86,33 @@ def make_attention_batch(
         query_start_loc=on_device(torch.tensor(starts, dtype=torch.int32)),
         num_pad_rows=num_pad_rows,
     )
+
+
+def check_op_under_torch_compile(op, device: torch.device | str = "cpu", atol: float = 1e-6) -> None:
+    """`op` (a paged-attention op with the contract's signature) inside a torch.compile'd layer:
+    same output as eager, and the compiled graph writes the real cache, not a functional copy."""
+    torch._dynamo.reset()
+    batch = make_attention_batch([(6, 4), (2, 1)], head_dim=16, num_pad_rows=2, device=device)
+
+    def layer(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+        # Ordinary ops around the custom one, as in a model layer; a window and a soft cap.
+        out = op(
+            query * 1.0,
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            0.25,
+            3,
+            2.0,
+        )
+        return out.flatten(1) + 1.0
+
+    eager_cache, compiled_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = layer(*batch.args(eager_cache))
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    torch.testing.assert_close(compiled(*batch.args(compiled_cache)), expected, atol=atol, rtol=atol)
+    torch.testing.assert_close(compiled_cache, eager_cache, atol=0, rtol=0, equal_nan=True)

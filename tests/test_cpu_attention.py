@@ -8,14 +8,14 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import compiled_engine.kernels  # noqa: F401  (registers the ops)
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.backends import AttentionBackendUnavailableError, resolve_attention_backend
 from compiled_engine.kernels.reference import paged_attention_reference
-from tests.attention_batches import Batch, make_attention_batch
+from tests.attention_batches import Batch, check_op_under_torch_compile, make_attention_batch
+from tests.hf_greedy import MAX_TOKENS, PROMPTS, hf_greedy_tokens
 
 if cpu_attention_build.compiler() is None:
     pytest.skip("no C++ compiler on this machine: the cpu backend cannot be built", allow_module_level=True)
@@ -138,31 +138,7 @@ def test_a_slot_past_the_cache_is_refused_and_nothing_is_written():
 
 
 def test_op_under_torch_compile_writes_the_real_cache():
-    torch._dynamo.reset()
-    batch = make_attention_batch([(6, 4), (2, 1)], head_dim=16, num_pad_rows=2)
-
-    def layer(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
-        out = torch.ops.compiled_engine.paged_attention_cpu(
-            query * 1.0,
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            0.25,
-            3,
-            2.0,
-        )
-        return out.flatten(1) + 1.0
-
-    eager_cache, compiled_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = layer(*batch.args(eager_cache))
-    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
-    torch.testing.assert_close(compiled(*batch.args(compiled_cache)), expected, atol=0, rtol=0)
-    # The compiled graph must hand the op the real cache, not a functionalised copy.
-    torch.testing.assert_close(compiled_cache, eager_cache, atol=0, rtol=0, equal_nan=True)
+    check_op_under_torch_compile(torch.ops.compiled_engine.paged_attention_cpu, atol=0.0)
 
 
 def test_auto_picks_cpu_on_the_cpu_and_falls_back_without_a_compiler(monkeypatch, tmp_path):
@@ -214,27 +190,9 @@ def test_two_processes_building_at_once_both_get_one_library(tmp_path):
     assert str(cpu_attention_build.build(tmp_path)) == outputs[0]
 
 
-PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 12], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
-MAX_TOKENS = 6
-
-
 @pytest.fixture(scope="module")
 def hf_tokens(llama_dir):
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy_tokens(llama_dir)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
@@ -250,7 +208,11 @@ def test_engine_on_the_cpu_backend_matches_hf_greedy(llama_dir, hf_tokens, enfor
         num_kv_blocks=32,
         compile_buckets=(4, 16),
     )
-    assert llm.engine.core.runner.attention_backend.name == "cpu"
+    runner = llm.engine.core.runner
+    assert runner.attention_backend.name == "cpu"
+    pass_log = runner.captured.pass_log if enforce_eager else runner.compiled_step.traced.pass_log
+    # Every graph's attention calls (2 layers) run the kernel: no bucket keeps the inline maths.
+    assert [r.result("select_attention_backend").nodes_rewritten for r in pass_log] == [2] * len(pass_log)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_tokens

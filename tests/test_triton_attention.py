@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the Triton attention backend needs the tri
 import compiled_engine.kernels  # noqa: E402, F401  (registers the ops)
 from compiled_engine.kernels import triton_attention  # noqa: E402
 from compiled_engine.kernels.reference import paged_attention_reference  # noqa: E402
-from tests.attention_batches import Batch, make_attention_batch  # noqa: E402
+from tests.attention_batches import Batch, check_op_under_torch_compile, make_attention_batch  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -206,32 +206,7 @@ def test_two_calls_extend_what_the_first_cached():
 
 
 def test_op_under_torch_compile():
-    torch._dynamo.reset()
-    batch = make_batch([(6, 4), (2, 1)], head_dim=16, num_pad_rows=2)
-
-    def layer(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
-        # Ordinary ops around the custom one, as in a model layer.
-        out = torch.ops.compiled_engine.paged_attention_triton(
-            query * 1.0,
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            0.25,
-            3,
-            2.0,
-        )
-        return out.flatten(1) + 1.0
-
-    eager_cache, compiled_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = layer(*batch.args(eager_cache))
-    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
-    torch.testing.assert_close(compiled(*batch.args(compiled_cache)), expected, atol=1e-6, rtol=1e-6)
-    # The compiled graph must hand the op the real cache, not a functionalised copy.
-    torch.testing.assert_close(compiled_cache, eager_cache, atol=0, rtol=0, equal_nan=True)
+    check_op_under_torch_compile(torch.ops.compiled_engine.paged_attention_triton, DEVICE)
 
 
 def test_head_dim_above_256_is_refused():

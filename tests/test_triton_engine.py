@@ -5,39 +5,17 @@ is a clear error at start-up."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.kernels.backends import AttentionBackendUnavailableError
+from tests.hf_greedy import MAX_TOKENS, PROMPTS, hf_greedy_tokens
 
 triton = pytest.importorskip("triton", reason="the triton backend needs the triton package")
-
-PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 12], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
-MAX_TOKENS = 6
-
-
-def _hf_greedy(model_dir: str) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 @pytest.fixture(scope="module")
 def hf_tokens(llama_dir):
-    return _hf_greedy(llama_dir)
+    return hf_greedy_tokens(llama_dir)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
