@@ -16,10 +16,13 @@ string goes into compile-cache keys so graphs built for one backend are not reus
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
 
@@ -69,7 +72,11 @@ def _auto_backend_name(device: torch.device) -> str:
     # Off CUDA: the CPU kernel where it builds, else the torch op (the Triton interpreter is far
     # too slow to serve).
     if device.type == "cpu":
-        return "cpu" if _cpu_problem(device) is None else "torch"
+        problem = _cpu_problem(device)
+        if problem is None:
+            return "cpu"
+        logger.warning("attention_backend auto: using the torch backend, the cpu one cannot run: %s", problem)
+        return "torch"
     if device.type != "cuda":
         return "torch"
     if _FLASHINFER_WIRED and _flashinfer_problem(device) is None:

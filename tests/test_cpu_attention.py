@@ -3,6 +3,7 @@ engine running on it against Hugging Face's own greedy tokens."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -141,7 +142,7 @@ def test_op_under_torch_compile_writes_the_real_cache():
     check_op_under_torch_compile(torch.ops.compiled_engine.paged_attention_cpu, atol=0.0)
 
 
-def test_auto_picks_cpu_on_the_cpu_and_falls_back_without_a_compiler(monkeypatch, tmp_path):
+def test_auto_picks_cpu_on_the_cpu_and_falls_back_without_a_compiler(monkeypatch, tmp_path, caplog):
     assert resolve_attention_backend("auto", "cpu").name == "cpu"
     backend = resolve_attention_backend("cpu", "cpu")
     assert backend.op is torch.ops.compiled_engine.paged_attention_cpu
@@ -150,7 +151,9 @@ def test_auto_picks_cpu_on_the_cpu_and_falls_back_without_a_compiler(monkeypatch
     monkeypatch.setattr(cpu_attention_build, "_loaded", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    assert resolve_attention_backend("auto", "cpu").name == "torch"
+    with caplog.at_level(logging.WARNING, logger="compiled_engine.kernels.backends"):
+        assert resolve_attention_backend("auto", "cpu").name == "torch"
+    assert "no C++ compiler" in caplog.text, "falling back must say why"
     with pytest.raises(AttentionBackendUnavailableError, match="no C\\+\\+ compiler"):
         resolve_attention_backend("cpu", "cpu")
     with pytest.raises(AttentionBackendUnavailableError, match="runs on the CPU"):
