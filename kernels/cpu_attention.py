@@ -5,9 +5,9 @@ The "cpu" attention backend's op (kernels/backends.py): same arguments, result a
 kernels/cpu_attention.cpp writes this step's keys and values into the cache (as the reference
 does: padding to the scratch block), then attends: one work item per (query row, group of KV
 heads), walking the row's visible keys block by block through its block table with an online
-softmax. So it reads each cached key and value once,
-prefetches the next block while computing this one, and never reads a masked slot; causal, sliding
-window, soft-capping, GQA; float32, bfloat16 and float16 (maths in float32).
+softmax. So it reads each cached key and value once, prefetches the blocks ahead while computing
+this one, and never reads a masked slot; causal, sliding window, soft-capping, GQA; float32,
+bfloat16 and float16 (maths in float32).
 
 The library is built at first use (kernels/cpu_attention_build.py); `cpu_attention_problem()`
 says why it cannot run here. Opaque to Inductor, which calls it as an extern kernel from the

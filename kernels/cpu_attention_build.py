@@ -13,8 +13,10 @@ runtime and thread pool (torch's wheel ships libgomp.so.1), as Inductor's own ke
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -29,6 +31,7 @@ COMPILER_ENV = "CXX"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 _LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 class CpuKernelBuildError(RuntimeError):
@@ -67,7 +70,7 @@ def library_key(source: bytes, compiler_path: str) -> str:
 
 def default_build_dir() -> Path:
     # The variable when set (the engine sets it to its compile cache): resolving Inductor's
-    # default imports much of Inductor (~1 s).
+    # default imports much of Inductor.
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "").strip()
     if chosen:
         return Path(chosen) / "compiled_engine_cpu_kernels"
@@ -88,9 +91,12 @@ def build(directory: Path | None = None) -> Path:
     target = directory / f"cpu_attention-{library_key(source, cxx)}.so"
     if target.exists():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        os.close(fd)
+    except OSError as exc:
+        raise CpuKernelBuildError(f"cannot write the kernel library into {directory}: {exc}") from exc
     try:
         result = subprocess.run(
             [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
@@ -98,6 +104,8 @@ def build(directory: Path | None = None) -> Path:
         if result.returncode != 0:
             raise CpuKernelBuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-2000:]}")
         os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CpuKernelBuildError(f"could not run {cxx} on {SOURCE.name}: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -115,8 +123,16 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
             path = build(directory)
             try:
                 library = ctypes.CDLL(str(path))
-            except OSError as exc:
-                raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
+            except OSError as first:
+                # A damaged file (the build's rename is atomic, but disks fail): rebuild it once.
+                logger.warning("the CPU attention kernel %s did not load (%s); rebuilding it", path, first)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                path = build(directory)
+                try:
+                    library = ctypes.CDLL(str(path))
+                except OSError as exc:
+                    raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
             # (const int64_t* ints, float scale, float softcap) -> int; see the .cpp.
             library.ce_cpu_paged_attention.argtypes = [
                 ctypes.POINTER(ctypes.c_int64),

@@ -169,6 +169,23 @@ def test_a_failing_build_names_the_compiler_error(monkeypatch, tmp_path):
     assert not any((tmp_path / "out").iterdir()), "a failed build must leave no file behind"
 
 
+def test_a_damaged_library_is_rebuilt_with_a_warning(monkeypatch, tmp_path, caplog):
+    good = cpu_attention_build.build(tmp_path)
+    good.write_bytes(b"not a shared library")  # as a failed disk would leave it
+    monkeypatch.setattr(cpu_attention_build, "_loaded", None)
+    with caplog.at_level(logging.WARNING, logger="compiled_engine.kernels.cpu_attention_build"):
+        library = cpu_attention_build.load(tmp_path)
+    assert "rebuilding" in caplog.text
+    assert good.stat().st_size > 1000 and library.ce_cpu_paged_attention is not None
+
+
+def test_an_unwritable_build_dir_is_a_build_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(cpu_attention_build.CpuKernelBuildError, match="cannot write"):
+        cpu_attention_build.build(blocker / "sub")
+
+
 _BUILD_AND_CALL = """
 import sys, torch
 from compiled_engine.kernels import cpu_attention_build
