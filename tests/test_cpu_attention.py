@@ -186,28 +186,28 @@ def test_an_unwritable_build_dir_is_a_build_error(tmp_path):
         cpu_attention_build.build(blocker / "sub")
 
 
-_BUILD_AND_CALL = """
-import sys, torch
-from compiled_engine.kernels import cpu_attention_build
+_BUILD = """
+import sys
 from pathlib import Path
-path = cpu_attention_build.build(Path(sys.argv[1]))
-print(path)
+from compiled_engine.kernels import cpu_attention_build
+print(cpu_attention_build.build(Path(sys.argv[1])))
 """
 
 
 def test_two_processes_building_at_once_both_get_one_library(tmp_path):
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _BUILD_AND_CALL, str(tmp_path)], stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([sys.executable, "-c", _BUILD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outputs[0] == outputs[1]
     assert [p.name for p in tmp_path.iterdir()] == [outputs[0].rsplit("/", 1)[1]], "no temporary left behind"
-    # A later build finds it and does not compile again.
+    # A later build finds it and does not compile again (the file is untouched).
+    built = tmp_path / outputs[0].rsplit("/", 1)[1]
+    stamp = built.stat().st_mtime_ns
     assert str(cpu_attention_build.build(tmp_path)) == outputs[0]
+    assert built.stat().st_mtime_ns == stamp
 
 
 @pytest.fixture(scope="module")
