@@ -175,18 +175,20 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   // up front), spread over this block's keys.
   const int64_t row_bytes = (head_end - head_begin) * pb.stride_head * static_cast<int64_t>(sizeof(T));
   const int64_t last_column = (hi - 1) / bs;
-  auto block_base = [&](int64_t column) {
+  auto block_offset = [&](int64_t column) {  // where the block at this table column starts
     int64_t block = read_index(pb.block_tables, pb.bt64, seq * pb.bt_stride + column);
     block = std::min(std::max<int64_t>(block, 0), pb.num_blocks - 1);  // never read outside the cache
-    return block * pb.stride_block + head_begin * pb.stride_head;
+    return block * pb.stride_block;
+  };
+  auto prefetch_slot = [&](int64_t block_start, int64_t slot) {  // this item's heads of one slot
+    const int64_t at = block_start + slot * pb.stride_slot + head_begin * pb.stride_head;
+    prefetch_row(keys + at, row_bytes);
+    prefetch_row(values + at, row_bytes);
   };
   if (lo < hi) {
     for (int64_t c = lo / bs; c < std::min(lo / bs + kAhead, last_column + 1); ++c) {
-      const int64_t base = block_base(c);
-      for (int64_t r = 0; r < bs; ++r) {
-        prefetch_row(keys + base + r * pb.stride_slot, row_bytes);
-        prefetch_row(values + base + r * pb.stride_slot, row_bytes);
-      }
+      const int64_t block_start = block_offset(c);
+      for (int64_t r = 0; r < bs; ++r) prefetch_slot(block_start, r);
     }
   }
 
@@ -194,15 +196,12 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     const int64_t column = start / bs;
     const int64_t stop = std::min(hi, (column + 1) * bs);
     const int64_t n = stop - start;
-    const int64_t first_slot = block_base(column) - head_begin * pb.stride_head + (start - column * bs) * pb.stride_slot;
-    const int64_t ahead = column + kAhead <= last_column ? block_base(column + kAhead) : -1;
+    const int64_t first_slot = block_offset(column) + (start - column * bs) * pb.stride_slot;
+    const int64_t ahead = column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
 
     for (int64_t j = 0; j < n; ++j) {
-      if (ahead >= 0) {
-        for (int64_t r = j; r < bs; r += n) {  // all bs rows, also when this block is partial
-          prefetch_row(keys + ahead + r * pb.stride_slot, row_bytes);
-          prefetch_row(values + ahead + r * pb.stride_slot, row_bytes);
-        }
+      if (ahead >= 0) {  // all bs rows of it, also when this block is partial
+        for (int64_t r = j; r < bs; r += n) prefetch_slot(ahead, r);
       }
       for (int64_t h = head_begin; h < head_end; ++h) {
         const int64_t k = first_slot + j * pb.stride_slot + h * pb.stride_head;

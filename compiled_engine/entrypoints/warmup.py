@@ -19,7 +19,7 @@ class WarmupRow:
     bucket: int | None
     build: BucketBuild
     # How the graph attends: "inline" (Inductor-fused maths) or the attention backend's op.
-    attention: str = "torch"
+    attention: str
 
 
 def warm_up_buckets(step: CompiledStep, show_progress: bool = True) -> list[WarmupRow]:

@@ -100,9 +100,10 @@ class ModelRunner:
         tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
         self.device = device
-        if not enforce_eager:
+        cache = None if enforce_eager else CompileCache(cache_dir)
+        if cache is not None:
             # Before the backend: the CPU kernel builds into Inductor's cache dir, kept in ours.
-            use_inductor_cache_in(CompileCache(cache_dir).root)
+            use_inductor_cache_in(cache.root)
         # Resolved first: an unavailable backend is a clear error before anything is built.
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.kv_caches = kv_caches
@@ -131,7 +132,6 @@ class ModelRunner:
                 else default_buckets(max_num_batched_tokens, max_num_seqs)
             )
             buckets = tuple(buckets)
-            cache = CompileCache(cache_dir)
             options = GraphOptions(
                 dtype=kv_caches[0].dtype,
                 block_size=block_size,
