@@ -184,6 +184,8 @@ TINY_SIZES: dict[str, object] = {
     "head_dim": 16,
     "intermediate_size": 128,
     "max_position_embeddings": 512,
+    # Gemma 3n / 4 per-layer input embeddings (a second vocabulary-sized table)
+    "vocab_size_per_layer_input": DEFAULT_VOCAB_SIZE,
     # ids inside the tiny vocabulary (many configs default to ids of a 32k+ one)
     "pad_token_id": PAD_ID,
     "bos_token_id": BOS_ID,
@@ -202,6 +204,7 @@ TINY_SIZES: dict[str, object] = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
     "n_group": 1,
     "topk_group": 1,
     "first_k_dense_replace": 1,
@@ -247,6 +250,23 @@ def tiny_config(config_class, **overrides):
     return config_class(**kwargs)
 
 
+# What a few config classes' own validation needs beyond TINY_SIZES (values that must agree with
+# them: per-layer patterns, head counts, constraints of the architecture).
+TINY_OVERRIDES: dict[str, dict[str, object]] = {
+    "dots3_note": {"num_key_value_heads": 4},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "mamba2": {"num_heads": 8},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    "xlnet": {"d_head": 16},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},
+    "zaya": {"num_experts_per_tok": 1},
+}
+
+
 class TinyModelUnavailable(Exception):
     """The tiny-config factory cannot build this architecture; the message says why."""
 
@@ -267,7 +287,8 @@ def make_tiny_model_of_type(
     from transformers import CONFIG_MAPPING
 
     try:
-        config = tiny_config(CONFIG_MAPPING[model_type], **(config_overrides or {}))
+        overrides = {**TINY_OVERRIDES.get(model_type, {}), **(config_overrides or {})}
+        config = tiny_config(CONFIG_MAPPING[model_type], **overrides)
     except Exception as exc:  # each config class validates in its own way
         raise TinyModelUnavailable(f"no tiny {model_type} config: {type(exc).__name__}: {exc}") from exc
     try:
