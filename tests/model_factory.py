@@ -179,6 +179,7 @@ TINY_SIZES: dict[str, object] = {
     "vocab_size": DEFAULT_VOCAB_SIZE,
     "hidden_size": 64,
     "num_hidden_layers": 2,
+    "num_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
@@ -186,6 +187,7 @@ TINY_SIZES: dict[str, object] = {
     "max_position_embeddings": 512,
     # Gemma 3n / 4 per-layer input embeddings (a second vocabulary-sized table)
     "vocab_size_per_layer_input": DEFAULT_VOCAB_SIZE,
+    "unpadded_vocab_size": DEFAULT_VOCAB_SIZE,
     # ids inside the tiny vocabulary (many configs default to ids of a 32k+ one)
     "pad_token_id": PAD_ID,
     "bos_token_id": BOS_ID,
@@ -205,6 +207,10 @@ TINY_SIZES: dict[str, object] = {
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "n_shared_experts": 1,
+    "zero_expert_num": 2,
+    "moe_topk": 2,
+    "expert_ffn_hidden_size": 32,
+    "ffn_hidden_size": 128,
     "n_group": 1,
     "topk_group": 1,
     "first_k_dense_replace": 1,

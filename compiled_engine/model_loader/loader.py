@@ -4,7 +4,7 @@ No random init (the model is built with no storage at all), no pickle, no networ
   1. read and check config.json, pick the transformers causal-LM class for its model_type;
   2. build that class under `torch.device("meta")` in the target dtype;
   3. give every non-persistent buffer (rotary `inv_freq`, embedding scales, ...) real storage and
-     recompute it with the model's own `_init_weights` — the same route transformers' loader takes,
+     recompute it with the model's own `initialize_weights` — the route transformers' loader takes,
      checked so that a buffer the model does not recompute is an error, not silent garbage;
   4. map every checkpoint tensor name to the model tensor it fills with transformers' own checkpoint
      key conversion for the architecture (checkpoint_keys.py: the renamings and converters
@@ -311,6 +311,7 @@ def _read_tensors(
     to_convert = plan.checkpoint_names_read - set(plan.renamed.values())
     target_of = {checkpoint: target for target, checkpoint in plan.renamed.items()}
 
+    model_names = model.state_dict().keys()
     tensors: dict[str, torch.Tensor] = {}
     convert_inputs: dict[str, torch.Tensor] = {}
     for path, wanted in wanted_by_file.items():
@@ -335,6 +336,11 @@ def _read_tensors(
                 f"{group.first_target} with transformers' checkpoint conversion: {exc}"
             ) from exc
         for target, value in produced.items():
+            if target not in model_names:
+                raise ModelLoadError(
+                    f"weights in {where[sources[0]].parent} hold tensor(s) {_names(sources)} that convert "
+                    f"to {target}, which {type(model).__name__} does not have"
+                )
             if target in tensors:
                 raise ModelLoadError(
                     f"weights in {where[sources[0]].parent} fill {target} twice (once from {_names(sources)})"
