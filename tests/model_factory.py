@@ -168,3 +168,157 @@ def make_tiny_model(
     if with_tokenizer:
         build_tokenizer(vocab_size, add_bos).save_pretrained(out_dir)
     return out_dir
+
+
+# -- a tiny config for any architecture ------------------------------------------------------------
+
+# Sizes small enough that any causal LM builds and saves in well under a second. Only the names a
+# config class has are set, so one table serves every architecture; a config's own `__post_init__`
+# then derives what follows from them (layer_types, head dims, ...).
+TINY_SIZES: dict[str, object] = {
+    "vocab_size": DEFAULT_VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    # Gemma 3n / 4 per-layer input embeddings (a second vocabulary-sized table)
+    "vocab_size_per_layer_input": DEFAULT_VOCAB_SIZE,
+    "unpadded_vocab_size": DEFAULT_VOCAB_SIZE,
+    # ids inside the tiny vocabulary (many configs default to ids of a 32k+ one)
+    "pad_token_id": PAD_ID,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    # encoder-decoder families whose decoder alone is a causal LM (Bart, Pegasus, ...)
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    # mixture of experts
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "zero_expert_num": 2,
+    "moe_topk": 2,
+    "expert_ffn_hidden_size": 32,
+    "ffn_hidden_size": 128,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    # multi-head latent attention
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # vision / audio towers of composite configs
+    "image_size": 32,
+    "patch_size": 8,
+    "projection_dim": 64,
+}
+
+
+def _settable_names(config_class) -> set[str]:
+    import dataclasses
+
+    names = (
+        {field.name for field in dataclasses.fields(config_class)}
+        if dataclasses.is_dataclass(config_class)
+        else set()
+    )
+    return names | set(getattr(config_class, "attribute_map", {}) or {})
+
+
+def tiny_config_kwargs(config_class, sizes: dict[str, object] | None = None) -> dict[str, object]:
+    """Constructor kwargs that shrink `config_class` (and each of its sub-configs) to test size."""
+    sizes = TINY_SIZES if sizes is None else sizes
+    names = _settable_names(config_class)
+    kwargs = {key: value for key, value in sizes.items() if key in names}
+    for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if isinstance(sub_class, type):
+            kwargs[key] = tiny_config_kwargs(sub_class, sizes)
+    return kwargs
+
+
+def tiny_config(config_class, **overrides):
+    """A tiny instance of any transformers config class (raises whatever the class raises)."""
+    kwargs = tiny_config_kwargs(config_class)
+    kwargs.update(overrides)
+    return config_class(**kwargs)
+
+
+# What a few config classes' own validation needs beyond TINY_SIZES (values that must agree with
+# them: per-layer patterns, head counts, constraints of the architecture).
+TINY_OVERRIDES: dict[str, dict[str, object]] = {
+    "dots3_note": {"num_key_value_heads": 4},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "mamba2": {"num_heads": 8},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    "xlnet": {"d_head": 16},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},
+    "zaya": {"num_experts_per_tok": 1},
+}
+
+
+class TinyModelUnavailable(Exception):
+    """The tiny-config factory cannot build this architecture; the message says why."""
+
+
+# Anything larger than this is not "tiny": a vision tower or a fixed-size table the sizes above miss.
+TINY_PARAMETER_LIMIT = 5_000_000
+
+
+def make_tiny_model_of_type(
+    tmp_path: str | Path, model_type: str, *, seed: int = 0, config_overrides: dict | None = None
+) -> Path:
+    """Save a tiny random fp32 model of `model_type`'s causal-LM class with `save_pretrained`.
+
+    Raises TinyModelUnavailable (with the reason) where no tiny config of that type can be built:
+    a config the class's own validation rejects at these sizes, a model that needs an optional
+    library, or one over TINY_PARAMETER_LIMIT parameters. No tokenizer is written.
+    """
+    from transformers import CONFIG_MAPPING
+
+    try:
+        overrides = {**TINY_OVERRIDES.get(model_type, {}), **(config_overrides or {})}
+        config = tiny_config(CONFIG_MAPPING[model_type], **overrides)
+    except Exception as exc:  # each config class validates in its own way
+        raise TinyModelUnavailable(f"no tiny {model_type} config: {type(exc).__name__}: {exc}") from exc
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # modelling code asserts, raises ImportError for optional libraries, ...
+        raise TinyModelUnavailable(
+            f"{model_type} does not build from a tiny config: {type(exc).__name__}: {exc}"
+        ) from exc
+    count = sum(p.numel() for p in skeleton.parameters())
+    if count > TINY_PARAMETER_LIMIT:
+        biggest = max(skeleton.named_parameters(), key=lambda item: item[1].numel())[0]
+        raise TinyModelUnavailable(
+            f"{model_type} stays at {count} parameters with tiny sizes (largest: {biggest})"
+        )
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Distinct random values in every tensor (init leaves many at 0 or 1), so a loader that puts a
+    # tensor in the wrong place, or an expert in the wrong slot, is seen.
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32))
+    out_dir = _unique_dir(Path(tmp_path), f"tiny-{model_type}-seed{seed}")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -4,13 +4,18 @@ No random init (the model is built with no storage at all), no pickle, no networ
   1. read and check config.json, pick the transformers causal-LM class for its model_type;
   2. build that class under `torch.device("meta")` in the target dtype;
   3. give every non-persistent buffer (rotary `inv_freq`, embedding scales, ...) real storage and
-     recompute it with the model's own `_init_weights` — the same route transformers' loader takes,
+     recompute it with the model's own `initialize_weights` — the route transformers' loader takes,
      checked so that a buffer the model does not recompute is an error, not silent garbage;
-  4. read each tensor from model.safetensors or the shards of model.safetensors.index.json straight
-     onto `device`, cast it, and assign it in place of the meta parameter — tied parameters (lm_head
-     sharing the embedding) get one tensor under every name;
-  5. check that nothing is left on meta and freeze every parameter.
-With `tensor_parallel=(rank, world_size)`, step 4 reads only the slice of each tensor that rank
+  4. map every checkpoint tensor name to the model tensor it fills with transformers' own checkpoint
+     key conversion for the architecture (checkpoint_keys.py: the renamings and converters
+     `from_pretrained` applies, since `save_pretrained` may write original names, e.g. one tensor
+     per MoE expert), refusing names that map to nothing;
+  5. read each tensor from model.safetensors or the shards of model.safetensors.index.json straight
+     onto `device` (converted groups through transformers' converter), cast it, and assign it in
+     place of the meta parameter — tied parameters (lm_head sharing the embedding) get one tensor
+     under every name;
+  6. check that nothing is left on meta and freeze every parameter.
+With `tensor_parallel=(rank, world_size)`, step 5 reads only the slice of each tensor that rank
 holds (compiled_engine/distributed/layout.py), straight from the file.
 """
 
@@ -38,6 +43,7 @@ from transformers import (
 
 from compiled_engine.distributed.layout import VOCAB_EMBEDDING, TensorParallelLayout
 from compiled_engine.errors import ModelLoadError, UnsupportedModelError
+from compiled_engine.model_loader.checkpoint_keys import CheckpointKeyPlan, plan_checkpoint_keys
 from compiled_engine.model_loader.model_config import SUPPORTED_DTYPES, ModelConfig, config_dtype
 
 SINGLE_FILE = "model.safetensors"
@@ -84,7 +90,11 @@ def load_model(
     model = _build_on_meta(model_class, hf_config, target_dtype, model_dir)
     layout = TensorParallelLayout.for_model(model, *tensor_parallel) if tensor_parallel else None
     _materialise_non_persistent_buffers(model, device, model_dir)
-    _assign_weights(model, _read_tensors(shards, device, layout), target_dtype, model_dir, layout)
+    where = _checkpoint_names(shards)
+    plan = plan_checkpoint_keys(model, where)
+    _check_unmatched(plan, model, model_dir)
+    tensors = _read_tensors(where, plan, model, device, layout)
+    _assign_weights(model, tensors, target_dtype, model_dir, layout)
     _check_nothing_on_meta(model, model_dir)
     if layout is not None:
         for path, style in layout.communicating_modules:
@@ -190,16 +200,18 @@ def _materialise_non_persistent_buffers(
     model: PreTrainedModel, device: torch.device, model_dir: Path
 ) -> None:
     owned = list(_owned_non_persistent_buffers(model))
-    modules = list({id(module): module for module, _, _ in owned}.values())
 
     def fill_and_recompute(fill_value: int) -> list[torch.Tensor]:
         for module, buffer_name, _ in owned:
             meta_buffer = module._buffers[buffer_name]
             module._buffers[buffer_name] = torch.full_like(meta_buffer, fill_value, device=device)
-        for module in modules:
-            # The model's own initialiser is what recomputes these in transformers' from_pretrained.
-            # Parameters are still on meta here, so whatever it does to them costs nothing.
-            model._init_weights(module)
+        # The model's own initialiser is what recomputes these in transformers' from_pretrained, run
+        # over every module as there (a parent may fill its children's buffers: FalconH1's MuP
+        # vector). Parameters are still on meta here, so whatever it does to them costs nothing.
+        for module in model.modules():
+            # It marks each module it ran on and then skips it: clear the mark to run it again.
+            module.__dict__.pop("_is_hf_initialized", None)
+        model.initialize_weights()
         return [module._buffers[buffer_name].clone() for module, buffer_name, _ in owned]
 
     try:
@@ -256,41 +268,103 @@ def _find_weight_files(model_dir: Path) -> dict[Path, frozenset[str] | None]:
     )
 
 
+def _checkpoint_names(shards: dict[Path, frozenset[str] | None]) -> dict[str, Path]:
+    """Every tensor name in the weight files, with the file that holds it."""
+    where: dict[str, Path] = {}
+    for path, promised in shards.items():
+        try:
+            with safe_open(path, framework="pt", device="cpu") as reader:
+                names = set(reader.keys())
+        except (safetensors.SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if promised is not None and not promised <= names:
+            raise ModelLoadError(
+                f"{path} lacks tensor(s) {_names(promised - names)} that {INDEX_FILE} places in it"
+            )
+        for name in sorted(names):
+            if name in where:
+                raise ModelLoadError(f"tensor {name} appears in more than one shard (again in {path})")
+            where[name] = path
+    return where
+
+
+def _check_unmatched(plan: CheckpointKeyPlan, model: PreTrainedModel, model_dir: Path) -> None:
+    unexpected = [name for name in plan.unmatched if not _matches(name, _ignored_unexpected(model))]
+    if unexpected:
+        raise ModelLoadError(
+            f"weights in {model_dir} hold tensor(s) {type(model).__name__} does not have: "
+            f"{_names(unexpected)}"
+        )
+
+
 def _read_tensors(
-    shards: dict[Path, frozenset[str] | None],
+    where: dict[str, Path],
+    plan: CheckpointKeyPlan,
+    model: PreTrainedModel,
     device: torch.device,
     layout: TensorParallelLayout | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Model name -> tensor, read from the files (renamed and converted as the plan says)."""
+    wanted_by_file: dict[Path, set[str]] = {}
+    for name in plan.checkpoint_names_read:
+        wanted_by_file.setdefault(where[name], set()).add(name)
+    to_convert = plan.checkpoint_names_read - set(plan.renamed.values())
+    target_of = {checkpoint: target for target, checkpoint in plan.renamed.items()}
+
+    model_names = model.state_dict().keys()
     tensors: dict[str, torch.Tensor] = {}
-    for path, promised in shards.items():
+    convert_inputs: dict[str, torch.Tensor] = {}
+    for path, wanted in wanted_by_file.items():
         try:
             with safe_open(path, framework="pt", device=str(device)) as reader:
-                names = set(reader.keys())
-                if promised is not None and not promised <= names:
-                    raise ModelLoadError(
-                        f"{path} lacks tensor(s) {_names(promised - names)} that {INDEX_FILE} places in it"
-                    )
-                for name in names:
-                    if name in tensors:
-                        raise ModelLoadError(
-                            f"tensor {name} appears in more than one shard (again in {path})"
-                        )
-                    tensors[name] = _read_tensor(reader, name, layout)
+                for name in sorted(wanted):
+                    if name in to_convert:
+                        # A converter needs whole tensors; the rank's slice is cut from its output.
+                        convert_inputs[name] = reader.get_tensor(name)
+                    else:
+                        tensors[target_of[name]] = _read_tensor(reader, name, target_of[name], layout)
         except (safetensors.SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+    for group in plan.converted:
+        sources = [name for name, _ in group.sources]
+        try:
+            produced = group.convert(convert_inputs, model)
+        except Exception as exc:  # transformers' conversion ops raise whatever torch raises
+            raise ModelLoadError(
+                f"tensor(s) {_names(sources)} in {where[sources[0]].parent} could not be converted to "
+                f"{group.first_target} with transformers' checkpoint conversion: {exc}"
+            ) from exc
+        for target, value in produced.items():
+            if target not in model_names:
+                raise ModelLoadError(
+                    f"weights in {where[sources[0]].parent} hold tensor(s) {_names(sources)} that convert "
+                    f"to {target}, which {type(model).__name__} does not have"
+                )
+            if target in tensors:
+                raise ModelLoadError(
+                    f"weights in {where[sources[0]].parent} fill {target} twice (once from {_names(sources)})"
+                )
+            tensors[target] = _slice_in_memory(value, target, layout)
     return tensors
 
 
-def _read_tensor(reader, name: str, layout: TensorParallelLayout | None) -> torch.Tensor:
+def _read_tensor(reader, name: str, target: str, layout: TensorParallelLayout | None) -> torch.Tensor:
+    """Checkpoint tensor `name`, which fills model tensor `target`; only this rank's slice of it."""
     if layout is None:
         return reader.get_tensor(name)
     tensor_slice = reader.get_slice(name)
     full_shape = tuple(tensor_slice.get_shape())
-    shard = layout.shard(name, full_shape)
+    shard = layout.shard(target, full_shape)
     if shard is None:
         return reader.get_tensor(name)
     # Only the rank's rows (or columns) are read from the file.
     return tensor_slice[shard.index(len(full_shape))]
+
+
+def _slice_in_memory(value: torch.Tensor, target: str, layout: TensorParallelLayout | None) -> torch.Tensor:
+    shard = layout.shard(target, tuple(value.shape)) if layout is not None else None
+    return value if shard is None else value[shard.index(value.ndim)].contiguous()
 
 
 def _fp32_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
@@ -317,15 +391,6 @@ def _assign_weights(
         tie_groups.setdefault(id(param), []).append(name)
     persistent_buffers = [name for name in model.state_dict() if name not in _param_names(tie_groups)]
 
-    expected = _param_names(tie_groups) | set(persistent_buffers)
-    unexpected = [
-        name for name in tensors if name not in expected and not _matches(name, _ignored_unexpected(model))
-    ]
-    if unexpected:
-        raise ModelLoadError(
-            f"weights in {model_dir} hold tensor(s) {type(model).__name__} does not have: "
-            f"{_names(unexpected)}"
-        )
     missing = [group[0] for group in tie_groups.values() if not any(n in tensors for n in group)]
     missing += [name for name in persistent_buffers if name not in tensors]
     if missing:

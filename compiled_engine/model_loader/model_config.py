@@ -59,11 +59,11 @@ class ModelConfig:
         dtype (float32 when it names none) — pass the dtype the weights were actually loaded in.
         """
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        num_heads = int(text_config.num_attention_heads)
-        hidden_size = int(text_config.hidden_size)
-        num_layers = int(text_config.num_hidden_layers)
-        head_dim = getattr(text_config, "head_dim", None) or hidden_size // num_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        num_heads = int(_required(text_config, "num_attention_heads"))
+        hidden_size = int(_required(text_config, "hidden_size"))
+        num_layers = int(_required(text_config, "num_hidden_layers"))
+        head_dim = _optional(text_config, "head_dim") or hidden_size // num_heads
+        num_kv_heads = _optional(text_config, "num_key_value_heads") or num_heads
 
         if architecture is None:
             named = getattr(config, "architectures", None)
@@ -77,13 +77,49 @@ class ModelConfig:
             num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim),
             hidden_size=hidden_size,
-            vocab_size=int(text_config.vocab_size),
-            max_position_embeddings=int(text_config.max_position_embeddings),
+            vocab_size=int(_required(text_config, "vocab_size")),
+            max_position_embeddings=int(_required(text_config, "max_position_embeddings")),
             dtype=dtype if dtype is not None else config_dtype(config),
             eos_token_ids=_eos_token_ids(text_config, generation_config_path),
             bos_token_id=getattr(text_config, "bos_token_id", None),
             sliding_windows=_sliding_windows(text_config, num_layers),
         )
+
+
+# What the engine relies on each config field for; named when an architecture lacks it.
+_FEATURE_OF_FIELD = {
+    "num_attention_heads": "attention layers (it keeps attention's keys and values in a paged KV "
+    "cache; state-space and recurrent models have none)",
+    "hidden_size": "a single hidden size",
+    "num_hidden_layers": "a single stack of decoder layers",
+    "vocab_size": "a single token vocabulary",
+    "max_position_embeddings": "a maximum context length (max_position_embeddings) to size requests by",
+    "head_dim": "one attention head size shared by every layer",
+    "num_key_value_heads": "one KV head count shared by every layer",
+}
+
+
+def _optional(config, field: str):
+    try:
+        return getattr(config, field, None)
+    except RuntimeError as exc:
+        # transformers raises this for a per-layer attribute of a heterogeneous config (layers of
+        # different shapes): there is no one value to read.
+        raise _unsupported(config, field, f"its {field} differs from layer to layer") from exc
+
+
+def _required(config, field: str):
+    value = _optional(config, field)
+    if value is None:
+        raise _unsupported(config, field, f"its config has no {field}")
+    return value
+
+
+def _unsupported(config, field: str, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"model_type {config.model_type!r} is not supported: the engine needs "
+        f"{_FEATURE_OF_FIELD[field]}, and {why}"
+    )
 
 
 def _causal_lm_class_name(config) -> str:
