@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.worker.execution_stream import StepFailedError
 from compiled_engine.worker.staging import StagingSlot
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.graphs.capture import capture_model
 from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.passes.lower_sdpa import PAGED_ATTENTION_TARGETS
 from compiled_engine.model_loader.loader import load_model
+from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.input_buffers import InputBuffers
 

@@ -15,11 +15,11 @@ from compiled_engine.core.block_pool import BlockPool
 from compiled_engine.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from compiled_engine.core.scheduler import Scheduler
 from compiled_engine.core.scheduler_config import SchedulerConfig
-from compiled_engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
-from compiled_engine.engine.request import Request, RequestStatus
 from compiled_engine.errors import InvalidRequestError
+from compiled_engine.records.request import Request, RequestStatus
+from compiled_engine.records.runner_output import ModelRunnerOutput
+from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.runner_output import ModelRunnerOutput
 
 VOCAB, EOS, STOP = 50, 2, 3
 

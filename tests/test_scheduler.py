@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.core.scheduler import Scheduler
 from compiled_engine.core.scheduler_config import SchedulerConfig
-from compiled_engine.core.scheduler_output import SchedulerOutput
-from compiled_engine.engine.request import Request, RequestStatus
 from compiled_engine.errors import InvalidRequestError
+from compiled_engine.records.engine_core_output import EngineCoreOutput
+from compiled_engine.records.request import Request, RequestStatus
+from compiled_engine.records.runner_output import ModelRunnerOutput
+from compiled_engine.records.scheduler_output import SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.runner_output import ModelRunnerOutput
 
 NEXT_TOKEN = 7  # what the fake runner samples unless a test says otherwise
 

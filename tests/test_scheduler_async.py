@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from compiled_engine.core.scheduler import Scheduler
 from compiled_engine.core.scheduler_config import SchedulerConfig
-from compiled_engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
-from compiled_engine.engine.request import Request, RequestStatus
+from compiled_engine.records.request import Request, RequestStatus
+from compiled_engine.records.runner_output import ModelRunnerOutput
+from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.runner_output import ModelRunnerOutput
 
 VOCAB, EOS, STOP = 50, 2, 3
 

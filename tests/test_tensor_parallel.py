@@ -159,7 +159,7 @@ def one_rank_group():
 
 
 def _step_inputs(num_kv_heads: int, head_dim: int, num_layers: int):
-    from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
     from compiled_engine.worker.input_buffers import InputBuffers
 
     buffers = InputBuffers(64, 4, 64, 16, torch.device("cpu"))
@@ -249,7 +249,7 @@ def test_two_ranks_compiled_match_one_rank(model_dirs, arch):
 
     llm = LLM(model_dir, tensor_parallel_size=2, **ENGINE)
     try:
-        assert llm.engine.core.runner.compiled_step is not None  # compiled mode on rank 0
+        assert llm.engine.model_runner.compiled_step is not None  # compiled mode on rank 0
         workers = _tp_workers()
         assert len(workers) == 1 and workers[0].is_alive()
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

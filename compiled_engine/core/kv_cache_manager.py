@@ -20,7 +20,7 @@ import struct
 from collections.abc import Sequence
 
 from compiled_engine.core.block_pool import BlockPool
-from compiled_engine.engine.request import Request
+from compiled_engine.records.request import Request
 
 # The "key of the block before" the first block: a fixed 32 bytes like every other key, so the
 # encoding below has no special case. The version string changes if the encoding ever does.

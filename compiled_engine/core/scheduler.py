@@ -49,13 +49,13 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.core.kv_cache_manager import KVCacheManager, token_range
 from compiled_engine.core.scheduler_config import SchedulerConfig
-from compiled_engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from compiled_engine.engine.request import Request, RequestStatus
 from compiled_engine.errors import InvalidRequestError
-from compiled_engine.worker.runner_output import ModelRunnerOutput
+from compiled_engine.records.engine_core_output import EngineCoreOutput
+from compiled_engine.records.request import Request, RequestStatus
+from compiled_engine.records.runner_output import ModelRunnerOutput
+from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 
 @dataclass

@@ -1,54 +1,103 @@
 """Rank 0's runner under tensor parallelism: every call that shapes a step goes to all ranks.
 
-The engine core talks to this as to a ModelRunner. A call that changes what the next step
-computes is broadcast first (workers apply it to their own runner: worker_main.serve_runner),
-then run here; everything else is read from rank 0's runner. If a worker dies, the group's
-next collective fails at once and the error names the worker; the engine stays down.
+The engine core drives this as any `Runner` (records/runner.py). A call that changes what the
+next step computes is broadcast first as a typed message (distributed/runner_messages.py; the
+workers apply it to their own runner: worker_main.serve_runner), then run here with the same
+values. If a worker dies, the group's next collective fails at once and the error names the
+worker; the engine stays down.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Generic, Protocol, TypeVar
 
 from compiled_engine.distributed.process_group import TensorParallelGroup
+from compiled_engine.distributed.runner_messages import (
+    AddRequest,
+    CollectStep,
+    LaunchStep,
+    RecordOutputs,
+    RemoveRequests,
+    ResetAfterFailure,
+    RunnerMessage,
+)
 from compiled_engine.distributed.workers import TensorParallelWorkerError, WorkerProcesses
+from compiled_engine.records.runner import LaunchedT, Runner, RunnerTimeline
+from compiled_engine.records.runner_output import ModelRunnerOutput
+from compiled_engine.records.scheduler_output import SchedulerOutput
+from compiled_engine.sampling_params import SamplingParams
 
-MIRRORED = ("add_request", "launch", "reset_after_failure")
+T = TypeVar("T")
 
 
-class BroadcastingRunner:
-    def __init__(self, runner: Any, group: TensorParallelGroup, workers: WorkerProcesses) -> None:
+class StatefulRunner(Runner[LaunchedT], Protocol[LaunchedT]):
+    """A runner that shows which requests it keeps sampling state for (ModelRunner does)."""
+
+    @property
+    def request_states(self) -> Mapping[str, object]: ...
+
+
+class BroadcastingRunner(Generic[LaunchedT]):
+    def __init__(
+        self, runner: StatefulRunner[LaunchedT], group: TensorParallelGroup, workers: WorkerProcesses
+    ) -> None:
         self._runner = runner
         self._group = group
         self._workers = workers
         self._dead: str | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        if name in MIRRORED:
-            return lambda *args: self._mirrored(name, args)
-        return getattr(self._runner, name)
+    @property
+    def timeline(self) -> RunnerTimeline:
+        return self._runner.timeline  # rank 0's: every rank runs the same steps
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Collection[int] = (),
+    ) -> None:
+        message = AddRequest(request_id, tuple(prompt_token_ids), params, frozenset(eos_token_ids))
+        self._on_every_rank(
+            message,
+            lambda: self._runner.add_request(
+                message.request_id, message.prompt_token_ids, message.params, message.eos_token_ids
+            ),
+        )
 
     # Only requests with sampling state (penalties, min_tokens, prompt logprobs) are affected by
-    # these two, and every rank holds the same states (add_request is mirrored): the others need
-    # no broadcast, which would otherwise be one per request per step.
-    def record_outputs(self, request_id: str, token_ids: Any) -> None:
+    # these two, and every rank holds the same states (add_request reaches every rank): the others
+    # need no broadcast, which would otherwise be one per request per step.
+    def record_outputs(self, request_id: str, token_ids: Sequence[int]) -> None:
         if request_id in self._runner.request_states:
-            self._mirrored("record_outputs", (request_id, token_ids))
+            message = RecordOutputs(request_id, tuple(token_ids))
+            self._on_every_rank(
+                message, lambda: self._runner.record_outputs(message.request_id, message.token_ids)
+            )
 
-    def remove_requests(self, request_ids: Any) -> None:
+    def remove_requests(self, request_ids: Collection[str]) -> None:
         with_state = tuple(r for r in request_ids if r in self._runner.request_states)
         if with_state:
-            self._mirrored("remove_requests", (with_state,))
+            message = RemoveRequests(with_state)
+            self._on_every_rank(message, lambda: self._runner.remove_requests(message.request_ids))
 
-    def collect(self, launched: Any) -> Any:
-        return self._mirrored("collect", (), lambda: self._runner.collect(launched))
+    def launch(self, step: SchedulerOutput) -> LaunchedT:
+        return self._on_every_rank(LaunchStep(step), lambda: self._runner.launch(step))
 
-    def _mirrored(self, method: str, args: tuple, local=None) -> Any:
+    def collect(self, launched: LaunchedT) -> ModelRunnerOutput:
+        return self._on_every_rank(CollectStep(), lambda: self._runner.collect(launched))
+
+    def reset_after_failure(self) -> None:
+        self._on_every_rank(ResetAfterFailure(), self._runner.reset_after_failure)
+
+    def _on_every_rank(self, message: RunnerMessage, run_here: Callable[[], T]) -> T:
+        """Send `message` to the workers, then run its call on rank 0's runner."""
         if self._dead is not None:
             raise TensorParallelWorkerError(self._dead)
         try:
-            self._group.broadcast((method, args))
-            return local() if local is not None else getattr(self._runner, method)(*args)
+            self._group.broadcast(message)
+            return run_here()
         except Exception as exc:
             failure = self._workers.wait_for_failure()
             if failure is None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from compiled_engine.distributed.process_group import RendezvousAddress, TensorParallelGroup
+from compiled_engine.distributed.runner_messages import Shutdown
+from compiled_engine.distributed.worker_main import ServeRank
 from compiled_engine.distributed.workers import WorkerProcesses
 
 
@@ -22,15 +24,19 @@ class TensorParallelRuntime:
         cls,
         world_size: int,
         device: torch.device,
-        engine_kwargs: dict,
+        serve_rank: ServeRank,
         rank_and_address: tuple[int, RendezvousAddress] | None,
     ) -> TensorParallelRuntime:
-        """Rank 0 (`rank_and_address` None): spawn the workers, then join; a worker: join."""
+        """Rank 0 (`rank_and_address` None): spawn the workers, then join; a worker: join.
+
+        Each worker runs `serve_rank`, which the engine provides: it builds the worker's rank
+        with the engine's own constructor, so the runtime needs to know nothing of the engine.
+        """
         if rank_and_address is not None:
             rank, address = rank_and_address
             return cls(rank, world_size, TensorParallelGroup(rank, world_size, address, device), None)
         address = RendezvousAddress.on_localhost()
-        workers = WorkerProcesses(world_size, address, engine_kwargs)
+        workers = WorkerProcesses(world_size, address, serve_rank)
         try:
             workers.wait_joining()
             group = TensorParallelGroup(0, world_size, address, device)
@@ -53,7 +59,7 @@ class TensorParallelRuntime:
         if self.workers is not None:
             if self.workers.failure() is None:
                 try:
-                    self.group.broadcast(None)
+                    self.group.broadcast(Shutdown())
                 except Exception:  # a worker died meanwhile: stop() below still ends the rest
                     pass
             self.workers.stop()

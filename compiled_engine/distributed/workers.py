@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compiled_engine.distributed.process_group import RendezvousAddress
+from compiled_engine.distributed.worker_main import ServeRank, run_worker
 
 # Importing torch and transformers in a fresh interpreter takes a few seconds; more means stuck.
 JOIN_TIMEOUT_S = 120.0
@@ -34,9 +35,7 @@ class _Report:
 
 
 class WorkerProcesses:
-    def __init__(self, world_size: int, address: RendezvousAddress, engine_kwargs: dict[str, Any]) -> None:
-        from compiled_engine.distributed.worker_main import run_worker
-
+    def __init__(self, world_size: int, address: RendezvousAddress, serve_rank: ServeRank) -> None:
         context = mp.get_context("spawn")
         self._reports: Any = context.Queue()
         self._errors: dict[int, str] = {}
@@ -44,7 +43,7 @@ class WorkerProcesses:
         self.processes = [
             context.Process(
                 target=run_worker,
-                args=(rank, world_size, address, engine_kwargs, self._reports),
+                args=(rank, address, serve_rank, self._reports),
                 name=f"compiled-engine-tp-rank{rank}",
                 daemon=True,  # ended with the user's process, even if it never calls close()
             )

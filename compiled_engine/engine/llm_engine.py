@@ -5,29 +5,33 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.core.engine_core import EngineCore
 from compiled_engine.core.scheduler import Scheduler, SchedulerConfig
 from compiled_engine.distributed.broadcasting_runner import BroadcastingRunner
 from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.runtime import TensorParallelRuntime
-from compiled_engine.engine.engine_core import EngineCore
+from compiled_engine.distributed.worker_main import serve_runner
 from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt
 from compiled_engine.engine.output_processor import OutputProcessor
-from compiled_engine.engine.request import Request
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.graphs.inductor_warmup import finish_cpu_probes, start_cpu_probes
 from compiled_engine.model_loader.loader import LoadedModel, load_model
 from compiled_engine.outputs import RequestOutput
+from compiled_engine.records.request import Request
+from compiled_engine.records.runner import Runner, RunnerTimeline
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker import kv_cache
-from compiled_engine.worker.model_runner import ModelRunner, RunnerTimeline
+from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +132,10 @@ class LLMEngine:
                 dev = torch.device("cuda", rank)
                 torch.cuda.set_device(dev)
             self.tensor_parallel = TensorParallelRuntime.start(
-                tensor_parallel_size, dev, worker_kwargs, _tensor_parallel_rank
+                tensor_parallel_size,
+                dev,
+                partial(serve_tensor_parallel_rank, worker_kwargs),
+                _tensor_parallel_rank,
             )
         try:
             self._build(model, dev, **options)
@@ -302,10 +309,13 @@ class LLMEngine:
             )
         )
         runner.timeline = RunnerTimeline()  # start-up steps are not part of serving's timeline
+        # This rank's runner itself, for tools that read its graphs (`compiled-engine warmup`).
+        self.model_runner = runner
+        core_runner: Runner[LaunchedStep] = runner
         if tp is not None and tp.workers is not None:
             # Rank 0: each step (and what shapes it) reaches every rank before it runs here.
-            runner = BroadcastingRunner(runner, tp.group, tp.workers)
-        self.core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
+            core_runner = BroadcastingRunner(runner, tp.group, tp.workers)
+        self.core = EngineCore(scheduler, core_runner, async_scheduling=async_scheduling)
         self.input_processor = InputProcessor(self.tokenizer, mc, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
@@ -420,6 +430,23 @@ class LLMEngine:
         if processed.stopped_by_string:
             self.core.finish_requests(processed.stopped_by_string)
         return processed.request_outputs
+
+
+def serve_tensor_parallel_rank(engine_kwargs: dict[str, Any], rank: int, address: RendezvousAddress) -> None:
+    """A tensor-parallel worker process's life (distributed/worker_main.py runs it): build rank
+    `rank` with the very constructor rank 0 ran, so every start-up collective happens in the same
+    order on every rank, then apply rank 0's runner calls to it until rank 0 says stop."""
+    device = engine_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cpu":
+        # The ranks share the host's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_kwargs["tensor_parallel_size"]))
+    engine = LLMEngine(**engine_kwargs, _tensor_parallel_rank=(rank, address))
+    tensor_parallel = engine.tensor_parallel
+    assert tensor_parallel is not None  # tensor_parallel_size > 1 in engine_kwargs
+    try:
+        serve_runner(engine.core.runner, tensor_parallel.group)
+    finally:
+        tensor_parallel.group.close()
 
 
 # Unique per process: a cache salt no other request shares (see add_request).

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.engine.detokenizer import IncrementalDetokenizer
 from compiled_engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from compiled_engine.records.engine_core_output import EngineCoreOutput
+from compiled_engine.records.runner_output import TokenLogprobs
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.runner_output import TokenLogprobs
 
 
 @dataclass

@@ -100,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _llm(args: argparse.Namespace, **extra):
-    from compiled_engine import LLM
+    from compiled_engine.entrypoints.llm import LLM
 
     return LLM(
         model=args.model,
@@ -126,7 +126,7 @@ def _warmup(args: argparse.Namespace) -> int:
     from compiled_engine.entrypoints.warmup import format_table, warm_up_buckets
 
     llm = _llm(args)
-    runner = llm.engine.core.runner
+    runner = llm.engine.model_runner
     rows = warm_up_buckets(runner.compiled_step)
     print(f"compile cache entry: {runner.cache_entry.dir}")
     print(format_table(rows))
@@ -134,7 +134,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from compiled_engine import SamplingParams
+    from compiled_engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,

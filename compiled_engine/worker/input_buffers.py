@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compiled_engine.core.scheduler_output import SchedulerOutput
 from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.records.scheduler_output import SchedulerOutput
 from compiled_engine.worker.sampler import PenaltyTensors, SamplingTensors, TokenEntries
 from compiled_engine.worker.staging import (
     PENALTY_ROW_FIELDS,

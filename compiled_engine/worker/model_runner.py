@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiled_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.buckets import default_buckets
 from compiled_engine.graphs.capture import CapturedModel, capture_model
@@ -27,10 +26,12 @@ from compiled_engine.graphs.compiled_step import (
 from compiled_engine.graphs.device import Event, runtime_for
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import resolve_attention_backend
+from compiled_engine.records.runner import RunnerTimeline
+from compiled_engine.records.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
+from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
-from compiled_engine.worker.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from compiled_engine.worker.sampler import Sampler, token_logprobs
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 
@@ -67,16 +68,6 @@ class LaunchedStep:
     samples: _Samples
     # Every KV block the step reads or writes (for the checks that nothing reuses them early).
     block_ids: frozenset[int]
-
-
-@dataclass
-class RunnerTimeline:
-    """Seconds spent per phase over the runner's life (the async loop's step timeline)."""
-
-    num_steps: int = 0
-    prepare_s: float = 0.0  # host: staging a step (numpy, copies into the slot, generators)
-    execute_s: float = 0.0  # the step's work: input copy, graph, sampling (on CUDA: launching it)
-    wait_s: float = 0.0  # host blocked waiting for a step's tokens
 
 
 class ModelRunner:

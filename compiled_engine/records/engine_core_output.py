@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiled_engine.worker.runner_output import TokenLogprobs
+from compiled_engine.records.runner_output import TokenLogprobs
 
 
 @dataclass(frozen=True)

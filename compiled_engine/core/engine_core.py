@@ -6,6 +6,9 @@ step N's results (and on the step after) overlaps step N+1 on the device. Its fi
 no outputs (nothing has finished yet) and the loop ends by collecting the last step in flight;
 `has_unfinished_requests()` stays true until then.
 
+The runner is any `Runner` (records/runner.py): the local model runner, or under tensor
+parallelism rank 0's broadcaster; the core imports neither.
+
 Sampling state: the runner keeps, for requests that need it, the prompt and the outputs the host
 knows (penalties, min_tokens, prompt logprobs); the core registers them, appends each update's
 tokens and drops them when the request ends. Logprobs come back with the runner's output and are
@@ -20,13 +23,14 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Generic
 
-from compiled_engine.core.engine_core_output import EngineCoreOutput
 from compiled_engine.core.scheduler import Scheduler
-from compiled_engine.core.scheduler_output import SchedulerOutput
-from compiled_engine.engine.request import Request, RequestStatus
-from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
-from compiled_engine.worker.runner_output import ModelRunnerOutput, TokenLogprobs
+from compiled_engine.records.engine_core_output import EngineCoreOutput
+from compiled_engine.records.request import Request, RequestStatus
+from compiled_engine.records.runner import LaunchedT, Runner
+from compiled_engine.records.runner_output import ModelRunnerOutput, TokenLogprobs
+from compiled_engine.records.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -38,14 +42,16 @@ class CoreTimeline:
     step_wall_s: float = 0.0  # inside step(), all phases
 
 
-class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, async_scheduling: bool = False) -> None:
+class EngineCore(Generic[LaunchedT]):
+    def __init__(
+        self, scheduler: Scheduler, runner: Runner[LaunchedT], async_scheduling: bool = False
+    ) -> None:
         if async_scheduling and scheduler.config.max_in_flight_steps < 2:
             raise ValueError("async scheduling needs a scheduler with max_in_flight_steps >= 2")
         self.scheduler = scheduler
-        self.runner = runner
+        self.runner: Runner[LaunchedT] = runner
         self.async_scheduling = async_scheduling
-        self._launched: deque[LaunchedStep] = deque()
+        self._launched: deque[LaunchedT] = deque()
         # Prompt logprobs of requests still prefilling: one slot per prompt token after the first.
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.timeline = CoreTimeline()
