@@ -19,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from compiled_engine.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LAYOUT_VERSION = "1"
 
@@ -66,7 +68,7 @@ class TensorParallelLayout:
     communicating_modules: tuple[tuple[str, str], ...]
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, rank: int, world_size: int) -> TensorParallelLayout:
+    def for_model(cls, model: PreTrainedModel, rank: int, world_size: int) -> TensorParallelLayout:
         """The layout of `model` (built on meta is enough) for `rank` of `world_size`."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a tensor-parallel group of {world_size}")

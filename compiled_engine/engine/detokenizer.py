@@ -141,7 +141,10 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        # transformers annotates decode as `str | list[str]` whatever the input; one id list gives a str.
+        return self._tokenizer.decode(  # type: ignore[return-value]
+            token_ids, skip_special_tokens=self._skip_special_tokens
+        )
 
     def _add_text(self, new_text: str) -> None:
         searched_before = len(self._text)

@@ -145,6 +145,7 @@ class InputProcessor:
     def _checked_token_ids(self, token_ids: Sequence, request_id: str) -> tuple[int, ...]:
         if not token_ids:
             raise InvalidRequestError(f"request {request_id}: the prompt is empty (no token ids)")
+        checked = []
         for position, token_id in enumerate(token_ids):
             # bool is an int subclass, but True as a token id is a bug, not a token.
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
@@ -152,13 +153,15 @@ class InputProcessor:
                     f"request {request_id}: prompt token {position} is {token_id!r} "
                     f"({type(token_id).__name__}), not an int"
                 )
-            if not 0 <= token_id < self._vocab_size:
+            # Plain ints from here on (numpy integers pass the check above).
+            value = int(token_id)
+            if not 0 <= value < self._vocab_size:
                 raise InvalidRequestError(
-                    f"request {request_id}: prompt token {position} is {token_id}, outside the "
+                    f"request {request_id}: prompt token {position} is {value}, outside the "
                     f"model's vocabulary [0, {self._vocab_size})"
                 )
-        # Plain ints from here on (numpy integers pass the check above).
-        return tuple(int(token_id) for token_id in token_ids)
+            checked.append(value)
+        return tuple(checked)
 
     def _check_against_vocab(self, params: SamplingParams, request_id: str) -> None:
         """What SamplingParams cannot check alone: token ids and logprob counts within the vocabulary."""

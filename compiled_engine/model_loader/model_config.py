@@ -127,7 +127,9 @@ def _causal_lm_class_name(config) -> str:
         raise UnsupportedModelError(
             f"transformers has no causal-LM class for model_type {config.model_type!r}"
         )
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+    # transformers annotates every auto mapping's value as a tokenizer-style (slow, fast) pair;
+    # the model mappings hold one class.
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__  # type: ignore[attr-defined]
 
 
 def config_dtype(config) -> torch.dtype:

@@ -225,8 +225,11 @@ class HostSamplingArrays:
             count_rows += [np.full(len(prompt), local), np.full(len(outputs), num_penalised + local)]
             count_tokens += [prompt, outputs]
 
-        bias_rows, bias_tokens, bias_values = [], [], []
-        banned_rows, banned_tokens = [], []
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
             if p.logit_bias:
                 bias_rows += [i] * len(p.logit_bias)
@@ -302,6 +305,7 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     """Stages 1–3 (logit_bias, min_tokens, penalties) on float32 logits, out of place."""
     if params.logit_bias is not None:
         bias = params.logit_bias
+        assert bias.values is not None, "logit_bias entries carry a value each"
         logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if params.min_tokens_banned is not None:
         banned = params.min_tokens_banned
