@@ -174,7 +174,7 @@ class ModelRunner:
         self.stream = stream_for(runtime, async_scheduling)
         weakref.finalize(self, self.stream.close)  # the CPU worker thread ends with the runner
         # Requests whose sampling needs their history (penalties, min_tokens, prompt logprobs):
-        # registered by the engine core, read by the slots when they stage a step.
+        # registered by the engine core, passed to a slot each time it stages a step.
         self.request_states: dict[str, RequestState] = {}
         self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(2)]
         self._num_launches = 0

@@ -12,10 +12,11 @@ Two kinds of buffer:
 - fixed: allocated at full size once (the graph and captured CUDA graphs read the same storage);
 - growable (`GrowableBuffer`): size-varying entries — penalty counts, logit_bias and min_tokens
   entries, prompt-logprobs targets, logprobs results — sized when a step is staged.
-Results (`host_only`) travel device → host: the device computes them into fresh tensors and
-copies them into the slot, so on the device side those fields are never filled (the fixed ones
-are allocated there anyway, a few hundred bytes, so both sides are one record; the growable ones
-never grow there and hold nothing).
+Fields only the host side uses are marked `host_only`: the results, which travel device → host
+(the device computes them into fresh tensors and copies them into the slot), and the placeholder
+count rows (copied straight into the device's penalty counts). On the device side they are never
+filled: the fixed ones are allocated there anyway, a few hundred bytes, so both sides are one
+record; the growable ones never grow there and hold nothing.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class BufferSpec(NamedTuple):
 
     dtype: torch.dtype | None  # None: a LogprobResults (its own dtypes)
     shape: Callable[[BufferSizes], tuple[int, ...]] | None  # None: growable
-    host_only: bool  # a result: filled on the host side only
+    host_only: bool  # only the host side fills it (see the module docstring)
 
 
 def _fixed(
@@ -117,8 +118,8 @@ def _fixed(
     return field(metadata={"spec": BufferSpec(dtype, shape, host_only)})
 
 
-def _growable(dtype: torch.dtype, host_only: bool = False) -> Any:
-    return field(metadata={"spec": BufferSpec(dtype, None, host_only)})
+def _growable(dtype: torch.dtype) -> Any:
+    return field(metadata={"spec": BufferSpec(dtype, None, False)})
 
 
 def _logprob_results() -> Any:
@@ -172,7 +173,7 @@ class StepBuffers:
     # sample (its count row, and its index in that step's sampled tokens).
     penalty_count_rows: GrowableBuffer = _growable(torch.int64)
     penalty_token_ids: GrowableBuffer = _growable(torch.int64)
-    penalty_placeholder_count_rows: torch.Tensor = _fixed(torch.int64, _per_seq)  # [<= P]
+    penalty_placeholder_count_rows: torch.Tensor = _fixed(torch.int64, _per_seq, host_only=True)  # [<= P]
     penalty_placeholder_sources: torch.Tensor = _fixed(torch.int64, _per_seq)  # [<= P]
 
     # --- logit_bias and min_tokens entries, prompt-logprobs targets ------------------------------
@@ -196,16 +197,13 @@ class StepBuffers:
         pin = host and device.type == "cuda"
         where = torch.device("cpu") if host else device
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            spec: BufferSpec = f.metadata["spec"]
+        for name, spec in cls.specs().items():
             if spec.dtype is None:
-                values[f.name] = LogprobResults.allocate(where, pin)
+                values[name] = LogprobResults.allocate(where, pin)
             elif spec.shape is None:
-                values[f.name] = GrowableBuffer(spec.dtype, where, pin)
+                values[name] = GrowableBuffer(spec.dtype, where, pin)
             else:
-                values[f.name] = torch.zeros(
-                    spec.shape(sizes), dtype=spec.dtype, device=where, pin_memory=pin
-                )
+                values[name] = torch.zeros(spec.shape(sizes), dtype=spec.dtype, device=where, pin_memory=pin)
         return cls(**values)
 
     @classmethod
