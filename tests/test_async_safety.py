@@ -35,9 +35,9 @@ class SlotChecker:
         for slot in runner._slots:
             fill = slot.fill
 
-            def checked_fill(step, previous=None, slot=slot, fill=fill):
-                staged = fill(step, previous)
-                self.snapshots[id(staged)] = {f: getattr(slot, f).clone() for f in SLOT_FIELDS}
+            def checked_fill(step, *args, slot=slot, fill=fill):
+                staged = fill(step, *args)
+                self.snapshots[id(staged)] = {f: getattr(slot.buffers, f).clone() for f in SLOT_FIELDS}
                 return staged
 
             monkeypatch.setattr(slot, "fill", checked_fill)
@@ -47,7 +47,9 @@ class SlotChecker:
             time.sleep(WORKER_DELAY_S)  # a slow device: the host runs ahead meanwhile
             snapshot = self.snapshots.pop(id(staged))
             changed = [
-                name for name, before in snapshot.items() if not torch.equal(before, getattr(slot, name))
+                name
+                for name, before in snapshot.items()
+                if not torch.equal(before, getattr(slot.buffers, name))
             ]
             if changed:
                 self.violations.append(f"{changed} overwritten before the step read them")

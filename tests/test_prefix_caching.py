@@ -90,7 +90,8 @@ def test_request_keys_cover_full_known_blocks_and_depend_on_everything_before():
     assert len(a_keys) == 2  # the 9th token is a partial block: no key
     assert a_keys[1] != b_keys[1]  # same tokens, different parent
     assert salted_keys[0] != a_keys[0] and salted_keys[1] != a_keys[1]  # the salt reaches every block
-    a.output_token_ids += [1, 1, 1]  # generated tokens fill the third block
+    for token_id in (1, 1, 1):  # generated tokens fill the third block
+        a.history.append(token_id)
     assert len(kv.block_hashes(a)) == 3 and kv.block_hashes(a)[:2] == a_keys
 
 

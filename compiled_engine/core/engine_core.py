@@ -9,12 +9,13 @@ no outputs (nothing has finished yet) and the loop ends by collecting the last s
 The runner is any `Runner` (records/runner.py): the local model runner, or under tensor
 parallelism rank 0's broadcaster; the core imports neither.
 
-Sampling state: the runner keeps, for requests that need it, the prompt and the outputs the host
-knows (penalties, min_tokens, prompt logprobs); the core registers them, appends each update's
-tokens and drops them when the request ends. Logprobs come back with the runner's output and are
-attached to the update's records here (joined by request id, so tokens the update dropped carry
-none); prompt logprobs arrive chunk by chunk with the prefill and are attached to the request's
-first token.
+Sampling state: the runner reads, for requests that need it (penalties, min_tokens, prompt
+logprobs), the request's token history — the scheduler's own record, appended at each update —
+which the core registers and drops when the request ends; after each update the core passes the
+accepted tokens to `runner.record_outputs`, which only tensor-parallel workers' replicas need.
+Logprobs come back with the runner's output and are attached to the update's records here
+(joined by request id, so tokens the update dropped carry none); prompt logprobs arrive chunk by
+chunk with the prefill and are attached to the request's first token.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class EngineCore(Generic[LaunchedT]):
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
         params = request.sampling_params
-        self.runner.add_request(request.request_id, request.prompt_token_ids, params, request.eos_token_ids)
+        self.runner.add_request(request.request_id, request.history, params, request.eos_token_ids)
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = [None] * (request.num_prompt_tokens - 1)
 
@@ -148,7 +149,7 @@ class EngineCore(Generic[LaunchedT]):
     def _after_update(
         self, outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Keep the runner's request states current and attach the step's logprobs."""
+        """Keep replicas of the histories current (runner.record_outputs) and attach the step's logprobs."""
         for request_id, chunk in (runner_output.prompt_logprobs or {}).items():
             slots = self._prompt_logprobs.get(request_id)  # None: the request ended meanwhile
             if slots is not None:

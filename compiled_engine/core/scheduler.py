@@ -267,7 +267,7 @@ class Scheduler:
             if not scheduled_request.sample:
                 continue
             token_id = sampled[request.request_id]
-            request.output_token_ids.append(token_id)
+            request.history.append(token_id)
             status, stop_reason = self._stop_status(request, token_id)
             if status is not None:
                 request.stop_reason = stop_reason

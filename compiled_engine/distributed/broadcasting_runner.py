@@ -23,6 +23,7 @@ from compiled_engine.distributed.runner_messages import (
     RunnerMessage,
 )
 from compiled_engine.distributed.workers import TensorParallelWorkerError, WorkerProcesses
+from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner import LaunchedT, Runner, RunnerTimeline
 from compiled_engine.records.runner_output import ModelRunnerOutput
 from compiled_engine.records.scheduler_output import SchedulerOutput
@@ -54,16 +55,14 @@ class BroadcastingRunner(Generic[LaunchedT]):
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        history: TokenHistory,
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
     ) -> None:
-        message = AddRequest(request_id, tuple(prompt_token_ids), params, frozenset(eos_token_ids))
+        message = AddRequest(request_id, history, params, frozenset(eos_token_ids))
+        # Rank 0 keeps the owner's history itself; the workers unpickle replicas of it.
         self._on_every_rank(
-            message,
-            lambda: self._runner.add_request(
-                message.request_id, message.prompt_token_ids, message.params, message.eos_token_ids
-            ),
+            message, lambda: self._runner.add_request(request_id, history, params, message.eos_token_ids)
         )
 
     # Only requests with sampling state (penalties, min_tokens, prompt logprobs) are affected by

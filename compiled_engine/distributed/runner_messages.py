@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.scheduler_output import SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 
@@ -15,7 +16,8 @@ from compiled_engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class AddRequest:
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    # Pickled on the way, so each worker receives a replica of the owner's history.
+    history: TokenHistory
     params: SamplingParams
     eos_token_ids: frozenset[int]
 

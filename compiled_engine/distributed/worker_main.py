@@ -67,8 +67,8 @@ def serve_runner(runner: Runner[Any], group: TensorParallelGroup) -> None:
                 launched.append(runner.launch(step))
             case CollectStep():
                 runner.collect(launched.popleft())
-            case AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params, eos_token_ids=eos):
-                runner.add_request(request_id, prompt, params, eos)
+            case AddRequest(request_id=request_id, history=history, params=params, eos_token_ids=eos):
+                runner.add_request(request_id, history, params, eos)
             case RecordOutputs(request_id=request_id, token_ids=token_ids):
                 runner.record_outputs(request_id, token_ids)
             case RemoveRequests(request_ids=request_ids):

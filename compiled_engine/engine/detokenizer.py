@@ -82,8 +82,10 @@ class IncrementalDetokenizer:
         # with the first output bytes and corrupt the window's arithmetic: decode without it.
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
+        # The decoding window only (ids before it are dropped as it moves): the request's token
+        # ids are its TokenHistory's (engine/request.py), not this.
         self._token_ids: list[int] = context
-        self._num_context_tokens = len(context)
+        self._num_output_tokens = 0
         self._min_tokens = min_tokens
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -117,11 +119,14 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return self.flush() if finished else ""
         self._token_ids.extend(new_token_ids)
+        self._num_output_tokens += len(new_token_ids)
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._token_ids[self._prefix_offset :])
         if len(window_text) > len(prefix_text) and not window_text.endswith(REPLACEMENT_CHAR):
             self._add_text(window_text[len(prefix_text) :])
-            self._prefix_offset = self._read_offset
+            # The window moves to start at the old read offset; what precedes it is never decoded again.
+            del self._token_ids[: self._read_offset]
+            self._prefix_offset = 0
             self._read_offset = len(self._token_ids)
         delta = self._take_delta()
         return delta + self.flush() if finished else delta
@@ -149,7 +154,7 @@ class IncrementalDetokenizer:
     def _add_text(self, new_text: str) -> None:
         searched_before = len(self._text)
         self._text += new_text
-        if len(self._token_ids) - self._num_context_tokens < self._min_tokens:
+        if self._num_output_tokens < self._min_tokens:
             return  # too early for stop strings; later searches start after this text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop_string in self._stop:

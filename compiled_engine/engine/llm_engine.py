@@ -377,25 +377,27 @@ class LLMEngine:
             if self.output_processor.has_request(rid):
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
         added: list[str] = []
+        histories = {}
         try:
             for index, child_id in enumerate(child_ids):
                 child_params = params if params.n == 1 else _child_sampling_params(params, index)
-                self.core.add_request(
-                    Request(
-                        request_id=child_id,
-                        prompt_token_ids=list(prompt.prompt_token_ids),
-                        sampling_params=child_params,
-                        eos_token_ids=self.model_config.eos_token_ids,
-                        # Prompt logprobs need the logits of every prompt position, so such a
-                        # request must not start from blocks the prefix cache holds: a salt of
-                        # its own keeps it from matching any.
-                        cache_salt=(
-                            f"prompt_logprobs:{next(_private_salts)}"
-                            if child_params.prompt_logprobs is not None
-                            else None
-                        ),
-                    )
+                request = Request(
+                    request_id=child_id,
+                    # The children share the prompt tuple; each has its own history.
+                    prompt_token_ids=prompt.prompt_token_ids,
+                    sampling_params=child_params,
+                    eos_token_ids=self.model_config.eos_token_ids,
+                    # Prompt logprobs need the logits of every prompt position, so such a
+                    # request must not start from blocks the prefix cache holds: a salt of
+                    # its own keeps it from matching any.
+                    cache_salt=(
+                        f"prompt_logprobs:{next(_private_salts)}"
+                        if child_params.prompt_logprobs is not None
+                        else None
+                    ),
                 )
+                self.core.add_request(request)
+                histories[child_id] = request.history
                 added.append(child_id)
         except BaseException:
             # The scheduler may still refuse (a prompt the whole cache cannot hold): undo the
@@ -403,13 +405,7 @@ class LLMEngine:
             self.core.abort_requests(added)
             raise
         # Registered on the text side only once the core accepted every child.
-        self.output_processor.add_request(
-            request_id,
-            prompt.prompt,
-            prompt.prompt_token_ids,
-            params,
-            child_ids=None if params.n == 1 else child_ids,
-        )
+        self.output_processor.add_request(request_id, prompt.prompt, params, histories)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (a request with n > 1: every one of its samples)."""

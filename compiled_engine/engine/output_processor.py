@@ -5,16 +5,21 @@ boundaries) and reports the requests they end, so the engine can stop them in th
 the core's logprobs records into vLLM's per-position dicts. A request with n > 1 runs in the
 core as n child requests; they are gathered here into one RequestOutput with n completions,
 finished when all of them are.
+
+Token ids are not kept here: each sequence reads its `TokenHistory`, the scheduler's record of
+the request (engine/request.py). The core hands back one update's outputs per step and they are
+processed before the next update, so the history then holds exactly the tokens reported so far.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from compiled_engine.engine.detokenizer import IncrementalDetokenizer
 from compiled_engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from compiled_engine.records.engine_core_output import EngineCoreOutput
+from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner_output import TokenLogprobs
 from compiled_engine.sampling_params import SamplingParams
 
@@ -24,11 +29,10 @@ class _RequestState:
     """One sequence: a request with n == 1, or one child of a request with n > 1."""
 
     prompt: str | None
-    prompt_token_ids: tuple[int, ...]
+    history: TokenHistory  # the scheduler's, read here (outputs: what the core reported so far)
     detokenizer: IncrementalDetokenizer | None
     parent_id: str | None = None
     index: int = 0
-    token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: SampleLogprobs | None = None  # a list when logprobs were asked
     cumulative_logprob: float | None = None
@@ -64,26 +68,32 @@ class OutputProcessor:
         self,
         request_id: str,
         prompt: str | None,
-        prompt_token_ids: tuple[int, ...],
         params: SamplingParams,
-        child_ids: Sequence[str] | None = None,
+        histories: Mapping[str, TokenHistory],
     ) -> None:
-        """Register a request. With `child_ids` (n > 1) the core runs those ids, one per sample."""
-        if child_ids is None:
-            self._states[request_id] = self._new_state(prompt, prompt_token_ids, params)
+        """Register a request by the histories of the sequences the core runs for it, keyed by
+        their core ids: the request's own id (n == 1), or one child id per sample, in sample order."""
+        if params.n == 1:
+            if list(histories) != [request_id]:
+                raise ValueError(f"request {request_id!r} (n=1) runs under its own id, got {list(histories)}")
+            self._states[request_id] = self._new_state(prompt, histories[request_id], params)
             return
-        for index, child_id in enumerate(child_ids):
-            self._states[child_id] = self._new_state(prompt, prompt_token_ids, params, request_id, index)
+        if len(histories) != params.n:
+            raise ValueError(
+                f"request {request_id!r} has n={params.n} samples, got {len(histories)} histories"
+            )
+        for index, (child_id, history) in enumerate(histories.items()):
+            self._states[child_id] = self._new_state(prompt, history, params, request_id, index)
         empty = [
-            CompletionOutput(index=i, text="", token_ids=(), finish_reason=None)
-            for i in range(len(child_ids))
+            CompletionOutput(index=i, text="", token_ids=(), finish_reason=None) for i in range(params.n)
         ]
-        self._parents[request_id] = _ParentState(prompt, prompt_token_ids, tuple(child_ids), empty)
+        prompt_token_ids = next(iter(histories.values())).prompt_token_ids
+        self._parents[request_id] = _ParentState(prompt, prompt_token_ids, tuple(histories), empty)
 
     def _new_state(
         self,
         prompt: str | None,
-        prompt_token_ids: tuple[int, ...],
+        history: TokenHistory,
         params: SamplingParams,
         parent_id: str | None = None,
         index: int = 0,
@@ -91,9 +101,9 @@ class OutputProcessor:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
-                self.tokenizer, list(prompt_token_ids), stop=params.stop, min_tokens=params.min_tokens
+                self.tokenizer, history.prompt_token_ids, stop=params.stop, min_tokens=params.min_tokens
             )
-        state = _RequestState(prompt, prompt_token_ids, detok, parent_id, index)
+        state = _RequestState(prompt, history, detok, parent_id, index)
         if params.logprobs is not None:
             state.logprobs = []
             state.cumulative_logprob = 0.0
@@ -132,7 +142,7 @@ class OutputProcessor:
                     RequestOutput(
                         request_id=out.request_id,
                         prompt=state.prompt,
-                        prompt_token_ids=state.prompt_token_ids,
+                        prompt_token_ids=state.history.prompt_token_ids,
                         outputs=(completion,),
                         finished=completion.finished,
                         prompt_logprobs=state.prompt_logprobs,
@@ -151,7 +161,6 @@ class OutputProcessor:
         return ProcessedOutputs(results, stopped)
 
     def _update(self, state: _RequestState, out: EngineCoreOutput, stopped: list[str]) -> CompletionOutput:
-        state.token_ids.extend(out.new_token_ids)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if state.detokenizer is not None and (out.new_token_ids or out.finished):
             # finished=True releases text held back while it could still start a stop string.
@@ -174,7 +183,7 @@ class OutputProcessor:
         return CompletionOutput(
             index=state.index,
             text=state.text,
-            token_ids=tuple(state.token_ids),
+            token_ids=tuple(state.history.output_token_ids),  # a snapshot: the output is immutable
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,

@@ -1,15 +1,92 @@
 """A request's life inside the engine core: its tokens, progress and status.
 
 `Request` is mutable state owned by the scheduler alone; other stages see only the frozen
-records the scheduler emits (`SchedulerOutput`) and the ones they return (`ModelRunnerOutput`).
+records the scheduler emits (`SchedulerOutput`) and the ones they return (`ModelRunnerOutput`),
+and, read-only, the request's `TokenHistory`.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from compiled_engine.sampling_params import SamplingParams
+
+
+class TokenHistory:
+    """A request's tokens, kept once: its prompt, then every output the scheduler accepted.
+
+    Created with the request and appended only by its owner, the scheduler (`append`, at update);
+    the runner's staging (penalties, min_tokens, prompt logprobs) and the output processor hold
+    the same object and read it, never copy it. With a step in flight, the outputs lack the token
+    that step is still sampling (the async loop feeds it as a placeholder on the device).
+
+    A pickled copy is a replica: a tensor-parallel worker receives one with the runner's
+    add_request (workers are other processes, so they need their own) and keeps it current with
+    `extend_replica`, called through the runner's record_outputs; only a replica takes that, and
+    only the owner takes `append`.
+    """
+
+    __slots__ = ("prompt_token_ids", "_output_token_ids", "_prompt_array", "is_replica")
+
+    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)  # a tuple is not copied
+        self._output_token_ids: list[int] = []
+        self._prompt_array: np.ndarray | None = None
+        self.is_replica = False
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """The accepted outputs, live (not a copy): read it, never write it."""
+        return self._output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self._output_token_ids)
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as a read-only int64 array (built once, for the runner's numpy staging)."""
+        if self._prompt_array is None:
+            array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+            array.flags.writeable = False
+            self._prompt_array = array
+        return self._prompt_array
+
+    def append(self, token_id: int) -> None:
+        """An output the scheduler accepted (its update); the owner's history only."""
+        if self.is_replica:
+            raise RuntimeError("a replica history follows its owner through extend_replica, never append")
+        self._output_token_ids.append(token_id)
+
+    def extend_replica(self, token_ids: Sequence[int]) -> None:
+        """Outputs the owner accepted, copied into this replica (a tensor-parallel worker's)."""
+        if not self.is_replica:
+            raise RuntimeError("only a replica is extended; the owner's history is appended by the scheduler")
+        self._output_token_ids.extend(token_ids)
+
+    def __eq__(self, other: object) -> bool:
+        """Same tokens (a replica equals its owner once it has caught up)."""
+        if not isinstance(other, TokenHistory):
+            return NotImplemented
+        return (
+            self.prompt_token_ids == other.prompt_token_ids
+            and self._output_token_ids == other._output_token_ids
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: appended as outputs arrive
+
+    def __getstate__(self) -> tuple[tuple[int, ...], list[int]]:
+        return self.prompt_token_ids, self._output_token_ids
+
+    def __setstate__(self, state: tuple[tuple[int, ...], list[int]]) -> None:
+        self.prompt_token_ids, outputs = state
+        self._output_token_ids = list(outputs)
+        self._prompt_array = None
+        self.is_replica = True
 
 
 class RequestStatus(enum.Enum):
@@ -36,13 +113,13 @@ class RequestStatus(enum.Enum):
         }.get(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    # Given at creation; kept in `history`, and afterwards the same tuple as its prompt.
+    prompt_token_ids: Sequence[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose k/v are in the cache. Reset to 0 when the request is preempted (recompute).
     num_computed_tokens: int = 0
     # Scheduled in steps not yet updated: their tokens are being computed, and each of those steps
@@ -57,6 +134,18 @@ class Request:
     # Keys of the full blocks of the known tokens, filled in by the KV cache manager as tokens
     # arrive (core/kv_cache_manager.py); they stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
+    # The request's tokens (prompt, accepted outputs): the one record of them, shared read-only
+    # with the runner and the output processor; the scheduler appends to it at update.
+    history: TokenHistory = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.history = TokenHistory(self.prompt_token_ids)
+        self.prompt_token_ids = self.history.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """Outputs accepted so far (the history's, live)."""
+        return self.history.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,8 +154,8 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: what the cache must eventually hold."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.history.num_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.history.output_token_ids]

@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner_output import ModelRunnerOutput
 from compiled_engine.records.scheduler_output import SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
@@ -47,11 +48,12 @@ class Runner(Protocol[LaunchedT]):
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        history: TokenHistory,
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
     ) -> None:
-        """A new request: keep what its sampling needs beyond a step's tokens, if anything."""
+        """A new request: keep what its sampling needs beyond a step's tokens, if anything (its
+        history is the scheduler's record, read, never copied, in this process)."""
         ...
 
     def record_outputs(self, request_id: str, token_ids: Sequence[int]) -> None:

@@ -1,14 +1,14 @@
 """Persistent step-input buffers owned by the model runner, on the device.
 
 Every step's flat inputs are copied from a host staging slot (worker/staging.py) into the front of
-these tensors, and the graph gets views of them, so it always reads the same storage (captured
-CUDA graphs replay these addresses). The copies are queued on the stream the step runs on, so
+these tensors — a device `StepBuffers` (worker/step_buffers.py), the record the slot holds on the
+host — and the graph gets views of them, so it always reads the same storage (captured CUDA graphs
+replay these addresses). The copies are queued on the stream the step runs on, so
 step N+1's copy cannot overwrite what step N still reads.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +17,8 @@ from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.records.scheduler_output import SchedulerOutput
 from compiled_engine.worker.sampler import PenaltyTensors, SamplingTensors, TokenEntries
-from compiled_engine.worker.staging import (
-    PENALTY_ROW_FIELDS,
-    SAMPLING_ROW_FIELDS,
-    RequestState,
-    StagedStep,
-    StagingSlot,
-)
+from compiled_engine.worker.staging import StagedStep, StagingSlot
+from compiled_engine.worker.step_buffers import BufferSizes, GrowableBuffer, StepBuffers
 
 
 @dataclass(frozen=True)
@@ -43,49 +38,32 @@ class InputBuffers:
         device: torch.device,
     ) -> None:
         self.block_size = block_size
-        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.device = device
-        self._slot_shape = (max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
-        t, s = max_num_batched_tokens, max_num_seqs
-
-        def buf(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.input_ids = buf(1, t, dtype=torch.int64)
-        self.positions = buf(1, t, dtype=torch.int64)
-        self.slot_mapping = buf(t, dtype=torch.int64)
-        self.block_tables = buf(s, self.max_blocks_per_seq, dtype=torch.int32)
-        self.seq_lens = buf(s, dtype=torch.int32)
-        self.query_start_loc = buf(s + 1, dtype=torch.int32)
-        # Sampling rows, then prompt-logprobs rows (up to one per token): more than S rows only
-        # when a step computes prompt logprobs (graphs/compiled_step.py runs those on the
-        # dynamic graph unless the bucket graph has room).
-        self.logits_indices = buf(max(s, t), dtype=torch.int64)
-        for name, dtype in (SAMPLING_ROW_FIELDS | PENALTY_ROW_FIELDS).items():
-            setattr(self, name, buf(s, dtype=dtype))
-        self.placeholder_rows = buf(s, dtype=torch.int64)
-        self.placeholder_sources = buf(s, dtype=torch.int64)
-        # Size-varying inputs (penalty counts, logit_bias and min_tokens entries, prompt-logprobs
-        # targets): grown on the execution stream when a step needs more (`_device_buffer`).
-        self._growable: dict[str, torch.Tensor] = {}
+        self.sizes = BufferSizes.of(max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
+        self.max_blocks_per_seq = self.sizes.blocks_per_seq
+        # The step's buffers on the device; growable ones grow on the execution stream.
+        self.device_buffers = StepBuffers.allocate(self.sizes, device, host=False)
         self._own_slot: StagingSlot | None = None
 
-    def new_slot(
-        self, consumed: Event | None = None, request_states: dict[str, RequestState] | None = None
-    ) -> StagingSlot:
+    @property
+    def max_num_seqs(self) -> int:
+        return self.sizes.max_num_seqs
+
+    def new_slot(self, consumed: Event | None = None) -> StagingSlot:
         """A host staging slot shaped like these buffers."""
-        return StagingSlot(*self._slot_shape, self.device, consumed, request_states)
+        return StagingSlot(self.sizes, self.block_size, self.device, consumed)
 
     def whole(self) -> StepInputs:
         """The whole persistent tensors: the room a compiled step pads into behind each step's views."""
+        d = self.device_buffers
         return StepInputs(
-            input_ids=self.input_ids,
-            positions=self.positions,
-            slot_mapping=self.slot_mapping,
-            block_tables=self.block_tables,
-            seq_lens=self.seq_lens,
-            query_start_loc=self.query_start_loc,
-            logits_indices=self.logits_indices,
+            input_ids=d.input_ids,
+            positions=d.positions,
+            slot_mapping=d.slot_mapping,
+            block_tables=d.block_tables,
+            seq_lens=d.seq_lens,
+            query_start_loc=d.query_start_loc,
+            logits_indices=d.logits_indices,
         )
 
     def prepare(self, step: SchedulerOutput) -> PreparedStep:
@@ -108,75 +86,68 @@ class InputBuffers:
             len(staged.sampled_rows),
             staged.num_placeholders,
         )
-        self.input_ids[0, :n].copy_(slot.input_ids[:n], non_blocking=True)
-        self.positions[0, :n].copy_(slot.positions[:n], non_blocking=True)
-        self.slot_mapping[:n].copy_(slot.slot_mapping[:n], non_blocking=True)
-        self.block_tables[:s, :w].copy_(slot.block_tables[:s, :w], non_blocking=True)
-        self.seq_lens[:s].copy_(slot.seq_lens[:s], non_blocking=True)
-        self.query_start_loc[: s + 1].copy_(slot.query_start_loc[: s + 1], non_blocking=True)
+        d, h = self.device_buffers, slot.buffers
+        d.input_ids[:, :n].copy_(h.input_ids[:, :n], non_blocking=True)
+        d.positions[:, :n].copy_(h.positions[:, :n], non_blocking=True)
+        d.slot_mapping[:n].copy_(h.slot_mapping[:n], non_blocking=True)
+        d.block_tables[:s, :w].copy_(h.block_tables[:s, :w], non_blocking=True)
+        d.seq_lens[:s].copy_(h.seq_lens[:s], non_blocking=True)
+        d.query_start_loc[: s + 1].copy_(h.query_start_loc[: s + 1], non_blocking=True)
         e = staged.num_logits
-        self.logits_indices[:e].copy_(slot.logits_indices[:e], non_blocking=True)
-        for name in SAMPLING_ROW_FIELDS:
-            getattr(self, name)[:k].copy_(getattr(slot, name)[:k], non_blocking=True)
+        d.logits_indices[:e].copy_(h.logits_indices[:e], non_blocking=True)
+        d.temperature[:k].copy_(h.temperature[:k], non_blocking=True)
+        d.top_k[:k].copy_(h.top_k[:k], non_blocking=True)
+        d.top_p[:k].copy_(h.top_p[:k], non_blocking=True)
+        d.greedy[:k].copy_(h.greedy[:k], non_blocking=True)
+        d.min_p[:k].copy_(h.min_p[:k], non_blocking=True)
         p = staged.num_penalised
-        for name in PENALTY_ROW_FIELDS:
-            getattr(self, name)[:p].copy_(getattr(slot, name)[:p], non_blocking=True)
-        for name, size in (
-            ("bias_rows", staged.num_bias),
-            ("bias_token_ids", staged.num_bias),
-            ("bias_values", staged.num_bias),
-            ("banned_rows", staged.num_banned),
-            ("banned_token_ids", staged.num_banned),
-            ("prompt_logprob_targets", staged.num_prompt_logprob_rows),
+        d.penalty_rows[:p].copy_(h.penalty_rows[:p], non_blocking=True)
+        d.presence_penalty[:p].copy_(h.presence_penalty[:p], non_blocking=True)
+        d.frequency_penalty[:p].copy_(h.frequency_penalty[:p], non_blocking=True)
+        d.repetition_penalty[:p].copy_(h.repetition_penalty[:p], non_blocking=True)
+        for device_buffer, host_buffer, size in (
+            (d.bias_rows, h.bias_rows, staged.num_bias),
+            (d.bias_token_ids, h.bias_token_ids, staged.num_bias),
+            (d.bias_values, h.bias_values, staged.num_bias),
+            (d.banned_rows, h.banned_rows, staged.num_banned),
+            (d.banned_token_ids, h.banned_token_ids, staged.num_banned),
+            (d.prompt_logprob_targets, h.prompt_logprob_targets, staged.num_prompt_logprob_rows),
         ):
-            self._load_growable(slot, name, size)
+            _load_growable(device_buffer, host_buffer, size)
         if m:
             if previous_samples is None:
                 raise ValueError("the step has placeholder tokens but no previous samples were given")
-            rows = self.placeholder_rows[:m].copy_(slot.placeholder_rows[:m], non_blocking=True)
-            sources = self.placeholder_sources[:m].copy_(slot.placeholder_sources[:m], non_blocking=True)
-            self.input_ids[0].index_copy_(0, rows, previous_samples.index_select(0, sources))
-        self._load_penalty_counts(slot, staged, previous_samples)
+            rows = d.placeholder_rows[:m].copy_(h.placeholder_rows[:m], non_blocking=True)
+            sources = d.placeholder_sources[:m].copy_(h.placeholder_sources[:m], non_blocking=True)
+            d.input_ids[0].index_copy_(0, rows, previous_samples.index_select(0, sources))
+        self._load_penalty_counts(h, staged, previous_samples)
         return StepInputs(
-            input_ids=self.input_ids[:, :n],
-            positions=self.positions[:, :n],
-            slot_mapping=self.slot_mapping[:n],
-            block_tables=self.block_tables[:s, :w],
-            seq_lens=self.seq_lens[:s],
-            query_start_loc=self.query_start_loc[: s + 1],
-            logits_indices=self.logits_indices[:e],
+            input_ids=d.input_ids[:, :n],
+            positions=d.positions[:, :n],
+            slot_mapping=d.slot_mapping[:n],
+            block_tables=d.block_tables[:s, :w],
+            seq_lens=d.seq_lens[:s],
+            query_start_loc=d.query_start_loc[: s + 1],
+            logits_indices=d.logits_indices[:e],
         )
 
-    def _device_buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first `size` elements of the growable device buffer `name`. Grown (doubling) on the
-        execution stream, behind every earlier step that read the old one."""
-        buffer = self._growable.get(name)
-        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-            room = max(size, 2 * buffer.numel() if buffer is not None else 64)
-            buffer = torch.zeros(room, dtype=dtype, device=self.device)
-            self._growable[name] = buffer
-        return buffer[:size]
-
-    def _load_growable(self, slot: StagingSlot, name: str, size: int) -> torch.Tensor:
-        source = slot.staged(name, size)
-        return self._device_buffer(name, size, source.dtype).copy_(source, non_blocking=True)
-
     def _load_penalty_counts(
-        self, slot: StagingSlot, staged: StagedStep, previous_samples: torch.Tensor | None
+        self, h: StepBuffers, staged: StagedStep, previous_samples: torch.Tensor | None
     ) -> None:
         """Every (count row, token) entry of the penalised rows: those the host knows, then the
         newest outputs it does not know yet, read from the previous step's samples here."""
+        d = self.device_buffers
         known, pending = staged.num_penalty_tokens, staged.num_penalty_placeholders
-        count_rows = self._device_buffer("penalty_count_rows", known + pending, torch.int64)
-        token_ids = self._device_buffer("penalty_token_ids", known + pending, torch.int64)
-        count_rows[:known].copy_(slot.staged("penalty_count_rows", known), non_blocking=True)
-        token_ids[:known].copy_(slot.staged("penalty_token_ids", known), non_blocking=True)
+        count_rows = d.penalty_count_rows.take(known + pending)
+        token_ids = d.penalty_token_ids.take(known + pending)
+        count_rows[:known].copy_(h.penalty_count_rows.front(known), non_blocking=True)
+        token_ids[:known].copy_(h.penalty_token_ids.front(known), non_blocking=True)
         if pending:
             if previous_samples is None:
                 raise ValueError("penalties need the previous step's samples, but none were given")
-            count_rows[known:].copy_(slot.penalty_placeholder_count_rows[:pending], non_blocking=True)
-            sources = self._device_buffer("penalty_placeholder_sources", pending, torch.int64)
-            sources.copy_(slot.penalty_placeholder_sources[:pending], non_blocking=True)
+            count_rows[known:].copy_(h.penalty_placeholder_count_rows[:pending], non_blocking=True)
+            sources = d.penalty_placeholder_sources[:pending]
+            sources.copy_(h.penalty_placeholder_sources[:pending], non_blocking=True)
             token_ids[known:] = previous_samples.index_select(0, sources)
 
     def sampling_tensors(
@@ -186,37 +157,37 @@ class InputBuffers:
         default_generator: torch.Generator | None,
     ) -> SamplingTensors:
         """The step just loaded's sampling settings: views of the device buffers, plus its flags."""
+        d = self.device_buffers
         k, p = staged.num_sampled, staged.num_penalised
         penalties = None
         if p:
             size = staged.num_penalty_tokens + staged.num_penalty_placeholders
             penalties = PenaltyTensors(
-                rows=self.penalty_rows[:p],
-                presence=self.presence_penalty[:p],
-                frequency=self.frequency_penalty[:p],
-                repetition=self.repetition_penalty[:p],
-                count_rows=self._growable["penalty_count_rows"][:size],
-                token_ids=self._growable["penalty_token_ids"][:size],
+                rows=d.penalty_rows[:p],
+                presence=d.presence_penalty[:p],
+                frequency=d.frequency_penalty[:p],
+                repetition=d.repetition_penalty[:p],
+                count_rows=d.penalty_count_rows.front(size),
+                token_ids=d.penalty_token_ids.front(size),
             )
         bias = banned = None
         if staged.num_bias:
             b = staged.num_bias
-            g = self._growable
-            bias = TokenEntries(g["bias_rows"][:b], g["bias_token_ids"][:b], g["bias_values"][:b])
+            bias = TokenEntries(d.bias_rows.front(b), d.bias_token_ids.front(b), d.bias_values.front(b))
         if staged.num_banned:
             b = staged.num_banned
-            banned = TokenEntries(self._growable["banned_rows"][:b], self._growable["banned_token_ids"][:b])
+            banned = TokenEntries(d.banned_rows.front(b), d.banned_token_ids.front(b))
         return SamplingTensors(
-            temperature=self.temperature[:k],
-            top_k=self.top_k[:k],
-            top_p=self.top_p[:k],
-            greedy=self.greedy[:k],
+            temperature=d.temperature[:k],
+            top_k=d.top_k[:k],
+            top_p=d.top_p[:k],
+            greedy=d.greedy[:k],
             generators=generators,
             default_generator=default_generator,
             all_greedy=staged.all_greedy,
             needs_top_k=staged.needs_top_k,
             needs_top_p=staged.needs_top_p,
-            min_p=self.min_p[:k] if staged.needs_min_p else None,
+            min_p=d.min_p[:k] if staged.needs_min_p else None,
             penalties=penalties,
             logit_bias=bias,
             min_tokens_banned=banned,
@@ -224,4 +195,9 @@ class InputBuffers:
 
     def prompt_logprob_targets(self, num_rows: int) -> torch.Tensor:
         """The prompt token each prompt-logprobs row predicts (for the step just loaded)."""
-        return self._growable["prompt_logprob_targets"][:num_rows]
+        return self.device_buffers.prompt_logprob_targets.front(num_rows)
+
+
+def _load_growable(device_buffer: GrowableBuffer, host_buffer: GrowableBuffer, size: int) -> None:
+    """Copy the front of a host growable buffer; the device one grows here, on the execution stream."""
+    device_buffer.take(size).copy_(host_buffer.front(size), non_blocking=True)

@@ -9,7 +9,6 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from compiled_engine.distributed.layout import TensorParallelLayout
@@ -26,6 +25,7 @@ from compiled_engine.graphs.compiled_step import (
 from compiled_engine.graphs.device import Event, runtime_for
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import resolve_attention_backend
+from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner import RunnerTimeline
 from compiled_engine.records.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -34,6 +34,7 @@ from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.sampler import Sampler, token_logprobs
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
+from compiled_engine.worker.step_buffers import LogprobResults
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,9 @@ class ModelRunner:
         self.stream = stream_for(runtime, async_scheduling)
         weakref.finalize(self, self.stream.close)  # the CPU worker thread ends with the runner
         # Requests whose sampling needs their history (penalties, min_tokens, prompt logprobs):
-        # registered by the engine core, read by the slots when they stage a step.
+        # registered by the engine core, passed to a slot each time it stages a step.
         self.request_states: dict[str, RequestState] = {}
-        self._slots = [self.buffers.new_slot(self.stream.new_event(), self.request_states) for _ in range(2)]
+        self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(2)]
         self._num_launches = 0
         self._previous: LaunchedStep | None = None
         self._in_flight: deque[LaunchedStep] = deque()
@@ -175,22 +176,25 @@ class ModelRunner:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        history: TokenHistory,
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
     ) -> None:
         """Keep what the request's sampling needs beyond a step's tokens, if anything: penalties
-        count its prompt and outputs, min_tokens bans its EOS ids, prompt logprobs read its prompt."""
+        count its prompt and outputs, min_tokens bans its EOS ids, prompt logprobs read its prompt.
+        `history` is the scheduler's record, read at staging and never copied here (under tensor
+        parallelism a worker receives a replica of it: see record_outputs)."""
         if params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None:
-            self.request_states[request_id] = RequestState(
-                np.asarray(prompt_token_ids, dtype=np.int64), frozenset(eos_token_ids)
-            )
+            self.request_states[request_id] = RequestState(history, frozenset(eos_token_ids))
 
     def record_outputs(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Output tokens the scheduler accepted for a request (after a step's update)."""
+        """Output tokens the scheduler accepted for a request (after a step's update).
+
+        The scheduler's own history already holds them; only a replica — a tensor-parallel
+        worker's copy of it, which lives in another process — takes them here."""
         state = self.request_states.get(request_id)
-        if state is not None:
-            state.output_token_ids.extend(token_ids)
+        if state is not None and state.history.is_replica:
+            state.history.extend_replica(token_ids)
 
     def remove_requests(self, request_ids: Collection[str]) -> None:
         """Forget requests that ended; steps already staged keep what they copied."""
@@ -236,7 +240,7 @@ class ModelRunner:
         if lengths is None:
             longest = self.buffers.max_blocks_per_seq * self.buffers.block_size
             lengths = [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
-            lengths = lengths[: self.buffers.seq_lens.shape[0]]
+            lengths = lengths[: self.buffers.max_num_seqs]
         greedy = SamplingParams(temperature=0.0)
         block = self.buffers.block_size
         dummy = tuple(
@@ -267,7 +271,7 @@ class ModelRunner:
         slot.consumed.synchronize()  # the step that used this slot has copied it out
         started = time.perf_counter()
         previous = self._previous
-        staged = slot.fill(step, previous and _sample_index(previous))
+        staged = slot.fill(step, previous and _sample_index(previous), self.request_states)
         sampled = [step.scheduled[i] for i in staged.sampled_rows]
         generators = tuple(self._generator_for(r) for r in sampled)
         samples = _Samples()
@@ -283,15 +287,15 @@ class ModelRunner:
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
                 samples.tokens = self.sampler(logits[:k], tensors)
-                slot.sampled_tokens[:k].copy_(samples.tokens, non_blocking=True)
+                slot.buffers.sampled_tokens[:k].copy_(samples.tokens, non_blocking=True)
                 if staged.num_top_logprobs is not None:
                     results = token_logprobs(logits[:k], samples.tokens, staged.num_top_logprobs)
-                    _copy_logprobs(slot, "logprob", results)
+                    _copy_logprobs(slot.buffers.sample_logprobs, results)
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows
                 targets = self.buffers.prompt_logprob_targets(e)
                 results = token_logprobs(logits[k : k + e], targets, staged.num_top_prompt_logprobs)
-                _copy_logprobs(slot, "prompt", results)
+                _copy_logprobs(slot.buffers.prompt_logprobs, results)
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
@@ -329,7 +333,7 @@ class ModelRunner:
         self.timeline.wait_s += time.perf_counter() - started
         self._in_flight.popleft()
         num_sampled = len(launched.sampled_request_ids)
-        tokens = launched.slot.sampled_tokens[:num_sampled].tolist() if num_sampled else []
+        tokens = launched.slot.buffers.sampled_tokens[:num_sampled].tolist() if num_sampled else []
         return ModelRunnerOutput(
             request_ids=launched.sampled_request_ids,
             sampled_token_ids=tuple(tokens),
@@ -352,25 +356,25 @@ class ModelRunner:
 
 
 def _copy_logprobs(
-    slot: StagingSlot, prefix: str, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    into: LogprobResults, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 ) -> None:
-    """Queue the device-to-host copy of `token_logprobs` results into the slot's result buffers."""
+    """Queue the device-to-host copy of `token_logprobs` results into a slot's result buffers."""
     top_ids, top_values, chosen, ranks = results
     rows, num_top = top_ids.shape
-    slot.result_view(f"{prefix}_top_ids", rows, num_top).copy_(top_ids, non_blocking=True)
-    slot.result_view(f"{prefix}_top_values", rows, num_top).copy_(top_values, non_blocking=True)
-    slot.result_view(f"{prefix}_chosen", rows).copy_(chosen, non_blocking=True)
-    slot.result_view(f"{prefix}_ranks", rows).copy_(ranks, non_blocking=True)
+    into.top_ids.view(rows, num_top).copy_(top_ids, non_blocking=True)
+    into.top_values.view(rows, num_top).copy_(top_values, non_blocking=True)
+    into.chosen.front(rows).copy_(chosen, non_blocking=True)
+    into.ranks.front(rows).copy_(ranks, non_blocking=True)
 
 
 def _read_logprobs(
-    slot: StagingSlot, prefix: str, rows: int, num_top: int, token_ids: Sequence[int], keep: Sequence[int]
+    results: LogprobResults, rows: int, num_top: int, token_ids: Sequence[int], keep: Sequence[int]
 ) -> list[TokenLogprobs]:
     """Turn a collected step's result buffers into records, keeping `keep[i]` top entries for row i."""
-    top_ids = slot.result_view(f"{prefix}_top_ids", rows, num_top).tolist()
-    top_values = slot.result_view(f"{prefix}_top_values", rows, num_top).tolist()
-    chosen = slot.result_view(f"{prefix}_chosen", rows).tolist()
-    ranks = slot.result_view(f"{prefix}_ranks", rows).tolist()
+    top_ids = results.top_ids.view(rows, num_top).tolist()
+    top_values = results.top_values.view(rows, num_top).tolist()
+    chosen = results.chosen.front(rows).tolist()
+    ranks = results.ranks.front(rows).tolist()
     return [
         TokenLogprobs(token_ids[i], chosen[i], ranks[i], tuple(top_ids[i][:n]), tuple(top_values[i][:n]))
         for i, n in enumerate(keep)
@@ -384,7 +388,7 @@ def _sample_logprobs(
     if num_top is None:
         return None
     keep = [n or 0 for n in staged.logprobs]
-    records = _read_logprobs(slot, "logprob", len(tokens), num_top, tokens, keep)
+    records = _read_logprobs(slot.buffers.sample_logprobs, len(tokens), num_top, tokens, keep)
     return tuple(
         record if n is not None else None for record, n in zip(records, staged.logprobs, strict=True)
     )
@@ -394,9 +398,11 @@ def _prompt_logprobs(slot: StagingSlot, staged: StagedStep) -> dict[str, PromptL
     if not staged.prompt_logprobs:
         return None
     rows = staged.num_prompt_logprob_rows
-    targets = slot.staged("prompt_logprob_targets", rows).tolist()
+    targets = slot.buffers.prompt_logprob_targets.front(rows).tolist()
     keep = [chunk.num_top for chunk in staged.prompt_logprobs for _ in range(chunk.num_rows)]
-    records = _read_logprobs(slot, "prompt", rows, staged.num_top_prompt_logprobs, targets, keep)
+    records = _read_logprobs(
+        slot.buffers.prompt_logprobs, rows, staged.num_top_prompt_logprobs, targets, keep
+    )
     chunks, start = {}, 0
     for chunk in staged.prompt_logprobs:
         entries = tuple(records[start : start + chunk.num_rows])

@@ -1,10 +1,10 @@
 """Host-side staging of one step's inputs, twice over, so the host can prepare step N+1 while the
 device still reads step N.
 
-A `StagingSlot` holds everything a step sends to the device — token ids, positions, slot mapping,
-block tables, sequence lengths, query starts, logits rows, sampling parameters and where the
-placeholder tokens go — in host tensors (pinned on CUDA, so the copy to the device is truly
-asynchronous), plus the host tensors the step's results come back into (sampled tokens,
+A `StagingSlot` holds a host `StepBuffers` (worker/step_buffers.py: every buffer a step sends to
+the device — token ids, positions, slot mapping, block tables, sequence lengths, query starts,
+logits rows, sampling parameters and where the placeholder tokens go — pinned on CUDA, so the copy
+to the device is truly asynchronous — plus the ones its results come back into: sampled tokens,
 logprobs). The runner fills slot `n % 2` for step n. Its `consumed` event is recorded after the
 step that read it: a slot is refilled only once that event has passed, so a slot is never
 overwritten while a step reads it. Results are read back (`collect`) before the slot's next
@@ -12,33 +12,39 @@ fill, so the size-varying buffers may be reallocated at fill time.
 
 Sampling parameters that need more than a step carries — penalties (the request's prompt and
 the outputs the host knows), min_tokens (the model's EOS ids), prompt logprobs (the prompt) —
-read the runner's `RequestState`s, which the engine core keeps up to date.
+read the request's `TokenHistory` through the runner's `RequestState`s, passed to each `fill`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from compiled_engine.graphs.device import Event
+from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from compiled_engine.worker.sampler import HostSamplingArrays, SamplingRow
+from compiled_engine.worker.step_buffers import BufferSizes, StepBuffers
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestState:
-    """What the runner keeps between steps for a request whose sampling needs its history."""
+    """What the runner keeps for a request whose sampling needs its history: the history itself
+    (read at staging, never copied) and the model's EOS ids.
 
-    prompt_token_ids: np.ndarray  # int64
+    In one process the history is the scheduler's own record (engine/request.py), appended at each
+    update, so with a step in flight its newest output is still missing here: that token is a
+    placeholder on the device, and the device adds it (`_penalty_placeholders`). A
+    tensor-parallel worker is another process: it holds a replica (the copy rank 0 sent with
+    add_request), which the runner's record_outputs keeps current.
+    """
+
+    history: TokenHistory
     eos_token_ids: frozenset[int]
-    # Outputs the host knows: the engine core appends each step's tokens after its update, so
-    # with a step in flight the newest output is still missing here (it is a placeholder on
-    # the device, and the device adds it).
-    output_token_ids: list[int] = field(default_factory=list)
 
 
 class PromptLogprobRows(NamedTuple):
@@ -100,88 +106,27 @@ class StagedStep:
         return self.num_sampled + self.num_prompt_logprob_rows
 
 
-# One entry per sampling row (K rows a step), then per penalised row: named alike in the host slot
-# and in the device buffers (worker/input_buffers.py), which are declared and copied from these.
-SAMPLING_ROW_FIELDS = {
-    "temperature": torch.float32,
-    "top_k": torch.int64,
-    "top_p": torch.float32,
-    "greedy": torch.bool,
-    "min_p": torch.float32,
-}
-PENALTY_ROW_FIELDS = {
-    "penalty_rows": torch.int64,
-    "presence_penalty": torch.float32,
-    "frequency_penalty": torch.float32,
-    "repetition_penalty": torch.float32,
-}
-
-
 class StagingSlot:
+    """One step's host buffers, their `consumed` event, and how a `SchedulerOutput` fills them."""
+
     def __init__(
-        self,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_size: int,
-        device: torch.device,
-        consumed: Event | None = None,
-        request_states: dict[str, RequestState] | None = None,
-    ) -> None:
+        self, sizes: BufferSizes, block_size: int, device: torch.device, consumed: Event | None = None
+    ):
         self.block_size = block_size
-        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        t, s = max_num_batched_tokens, max_num_seqs
-        self._pin = device.type == "cuda"
-
-        def buf(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=self._pin)
-
-        self.input_ids = buf(t, dtype=torch.int64)
-        self.positions = buf(t, dtype=torch.int64)
-        self.slot_mapping = buf(t, dtype=torch.int64)
-        self.block_tables = buf(s, self.max_blocks_per_seq, dtype=torch.int32)
-        self.seq_lens = buf(s, dtype=torch.int32)
-        self.query_start_loc = buf(s + 1, dtype=torch.int32)
-        # Sampling rows first, then prompt-logprobs rows: up to one per token.
-        self.logits_indices = buf(max(s, t), dtype=torch.int64)
-        for name, dtype in (SAMPLING_ROW_FIELDS | PENALTY_ROW_FIELDS).items():
-            setattr(self, name, buf(s, dtype=dtype))
-        # Penalised rows whose newest output is the previous step's sample: its count row, and its
-        # index in that step's sampled tokens.
-        self.penalty_placeholder_count_rows = buf(s, dtype=torch.int64)
-        self.penalty_placeholder_sources = buf(s, dtype=torch.int64)
-        self.placeholder_rows = buf(s, dtype=torch.int64)
-        self.placeholder_sources = buf(s, dtype=torch.int64)
-        self.sampled_tokens = buf(s, dtype=torch.int64)  # device → host: this step's tokens
-        # Size-varying buffers (token counts for penalties, logit_bias and min_tokens entries,
-        # prompt-logprobs targets, logprobs results) grow on demand: see `host_buffer`.
-        self._growable: dict[str, torch.Tensor] = {}
+        # Pinned when the step runs on CUDA (an asynchronous copy needs page-locked memory).
+        self.buffers = StepBuffers.allocate(sizes, device, host=True)
         self.consumed = consumed
-        self.request_states = request_states if request_states is not None else {}
 
-    def host_buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first `size` elements of the growable 1-D buffer `name`, reallocated (doubling) when
-        short. Only called while the slot is free (filling it), so no step reads the old one."""
-        buffer = self._growable.get(name)
-        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-            room = max(size, 2 * buffer.numel() if buffer is not None else 64)
-            buffer = torch.zeros(room, dtype=dtype, pin_memory=self._pin)
-            self._growable[name] = buffer
-        return buffer[:size]
-
-    def staged(self, name: str, size: int) -> torch.Tensor:
-        """The first `size` elements `fill` wrote into the growable buffer `name` (never grows it:
-        the step's work reads this while the host may be filling the other slot)."""
-        return self._growable[name][:size]
-
-    def result_view(self, name: str, *shape: int) -> torch.Tensor:
-        """A contiguous view of a result buffer that `fill` sized (contiguous, so an asynchronous
-        device-to-host copy lands directly in it)."""
-        return self._growable[name][: math.prod(shape)].view(*shape)
-
-    def fill(self, step: SchedulerOutput, previous_sample_index: dict[str, int] | None = None) -> StagedStep:
+    def fill(
+        self,
+        step: SchedulerOutput,
+        previous_sample_index: dict[str, int] | None = None,
+        request_states: Mapping[str, RequestState] | None = None,
+    ) -> StagedStep:
         """Write the step into the slot. `previous_sample_index` maps a request id to its row in
-        the previous step's sampled tokens (needed when the step has placeholders)."""
+        the previous step's sampled tokens (needed when the step has placeholders);
+        `request_states` holds the histories of requests whose sampling needs them."""
+        states = request_states if request_states is not None else {}
         reqs = step.scheduled
         num_seqs = len(reqs)
         q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=num_seqs)
@@ -215,42 +160,46 @@ class StagingSlot:
 
         sampled_rows = tuple(i for i, r in enumerate(reqs) if r.sample)
         sampled = [reqs[i] for i in sampled_rows]
-        rows = [self._sampling_row(r) for r in sampled]
+        rows = [self._sampling_row(r, states) for r in sampled]
         host = HostSamplingArrays.build(rows)
         count_rows, sources = self._penalty_placeholders(host, rows, sampled, sampled_rows, source_of_seq)
-        prompt_rows, prompt_targets, prompt_chunks = self._prompt_logprob_rows(reqs, query_start_loc)
+        prompt_rows, prompt_targets, prompt_chunks = self._prompt_logprob_rows(reqs, query_start_loc, states)
         logits_indices = np.concatenate([query_start_loc[1:][list(sampled_rows)] - 1, prompt_rows])
 
         n, s, k, m = num_tokens, num_seqs, len(sampled_rows), len(placeholder_rows)
-        self.input_ids[:n] = torch.from_numpy(token_ids)
-        self.positions[:n] = torch.from_numpy(positions)
-        self.slot_mapping[:n] = torch.from_numpy(slots)
-        self.block_tables[:s, :width] = torch.from_numpy(table)
-        self.seq_lens[:s] = torch.from_numpy(starts + q_lens)
-        self.query_start_loc[: s + 1] = torch.from_numpy(query_start_loc)
-        self.logits_indices[: len(logits_indices)] = torch.from_numpy(logits_indices.astype(np.int64))
-        self.placeholder_rows[:m] = torch.from_numpy(placeholder_rows.astype(np.int64))
-        self.placeholder_sources[:m] = torch.from_numpy(placeholder_sources)
-        for name in SAMPLING_ROW_FIELDS:
-            getattr(self, name)[:k] = torch.from_numpy(getattr(host, name))
+        b = self.buffers
+        b.input_ids[:, :n].copy_(torch.from_numpy(token_ids))
+        b.positions[:, :n].copy_(torch.from_numpy(positions))
+        b.slot_mapping[:n] = torch.from_numpy(slots)
+        b.block_tables[:s, :width] = torch.from_numpy(table)
+        b.seq_lens[:s] = torch.from_numpy(starts + q_lens)
+        b.query_start_loc[: s + 1] = torch.from_numpy(query_start_loc)
+        b.logits_indices[: len(logits_indices)] = torch.from_numpy(logits_indices.astype(np.int64))
+        b.placeholder_rows[:m] = torch.from_numpy(placeholder_rows.astype(np.int64))
+        b.placeholder_sources[:m] = torch.from_numpy(placeholder_sources)
+        b.temperature[:k] = torch.from_numpy(host.temperature)
+        b.top_k[:k] = torch.from_numpy(host.top_k)
+        b.top_p[:k] = torch.from_numpy(host.top_p)
+        b.greedy[:k] = torch.from_numpy(host.greedy)
+        b.min_p[:k] = torch.from_numpy(host.min_p)
         p = len(host.penalty_rows)
-        self.penalty_rows[:p] = torch.from_numpy(host.penalty_rows)
-        self.presence_penalty[:p] = torch.from_numpy(host.presence)
-        self.frequency_penalty[:p] = torch.from_numpy(host.frequency)
-        self.repetition_penalty[:p] = torch.from_numpy(host.repetition)
-        self.penalty_placeholder_count_rows[: len(count_rows)] = torch.tensor(count_rows, dtype=torch.int64)
-        self.penalty_placeholder_sources[: len(sources)] = torch.tensor(sources, dtype=torch.int64)
-        for name, values in (
-            ("penalty_count_rows", host.penalty_count_rows),
-            ("penalty_token_ids", host.penalty_token_ids),
-            ("bias_rows", host.bias_rows),
-            ("bias_token_ids", host.bias_token_ids),
-            ("bias_values", host.bias_values),
-            ("banned_rows", host.banned_rows),
-            ("banned_token_ids", host.banned_token_ids),
-            ("prompt_logprob_targets", prompt_targets),
+        b.penalty_rows[:p] = torch.from_numpy(host.penalty_rows)
+        b.presence_penalty[:p] = torch.from_numpy(host.presence)
+        b.frequency_penalty[:p] = torch.from_numpy(host.frequency)
+        b.repetition_penalty[:p] = torch.from_numpy(host.repetition)
+        b.penalty_placeholder_count_rows[: len(count_rows)] = torch.tensor(count_rows, dtype=torch.int64)
+        b.penalty_placeholder_sources[: len(sources)] = torch.tensor(sources, dtype=torch.int64)
+        for buffer, values in (
+            (b.penalty_count_rows, host.penalty_count_rows),
+            (b.penalty_token_ids, host.penalty_token_ids),
+            (b.bias_rows, host.bias_rows),
+            (b.bias_token_ids, host.bias_token_ids),
+            (b.bias_values, host.bias_values),
+            (b.banned_rows, host.banned_rows),
+            (b.banned_token_ids, host.banned_token_ids),
+            (b.prompt_logprob_targets, prompt_targets),
         ):
-            self.host_buffer(name, len(values), _TORCH_DTYPE[values.dtype])[:] = torch.from_numpy(values)
+            buffer.take(len(values))[:] = torch.from_numpy(values)
 
         staged = StagedStep(
             num_tokens=n,
@@ -273,8 +222,9 @@ class StagingSlot:
         self._size_results(staged)
         return staged
 
-    def _state(self, request: ScheduledRequest) -> RequestState:
-        state = self.request_states.get(request.request_id)
+    @staticmethod
+    def _state(request: ScheduledRequest, states: Mapping[str, RequestState]) -> RequestState:
+        state = states.get(request.request_id)
         if state is None:
             raise RuntimeError(
                 f"request {request.request_id!r} uses penalties, min_tokens or prompt_logprobs, which "
@@ -282,17 +232,17 @@ class StagingSlot:
             )
         return state
 
-    def _sampling_row(self, request: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(self, request: ScheduledRequest, states: Mapping[str, RequestState]) -> SamplingRow:
         params = request.sampling_params
         penalised = params.has_penalties
         if not penalised and request.num_output_tokens >= params.min_tokens:
             return SamplingRow(params, request.num_output_tokens)
-        state = self._state(request)
+        state = self._state(request, states)
         return SamplingRow(
             params,
             request.num_output_tokens,
-            state.prompt_token_ids if penalised else (),
-            state.output_token_ids if penalised else (),
+            state.history.prompt_array if penalised else (),
+            state.history.output_token_ids if penalised else (),
             state.eos_token_ids,
         )
 
@@ -324,7 +274,10 @@ class StagingSlot:
         return count_rows, sources
 
     def _prompt_logprob_rows(
-        self, reqs: tuple[ScheduledRequest, ...], query_start_loc: np.ndarray
+        self,
+        reqs: tuple[ScheduledRequest, ...],
+        query_start_loc: np.ndarray,
+        states: Mapping[str, RequestState],
     ) -> tuple[np.ndarray, np.ndarray, tuple[PromptLogprobRows, ...]]:
         """Token rows whose logits give prompt logprobs this step, the prompt token each predicts,
         and the per-request chunks. Only while a request has sampled nothing yet: prompt logprobs
@@ -334,7 +287,7 @@ class StagingSlot:
             num_top = request.sampling_params.prompt_logprobs
             if num_top is None or request.num_output_tokens > 0:
                 continue
-            prompt = self._state(request).prompt_token_ids
+            prompt = self._state(request, states).history.prompt_array
             # Position j's logits predict prompt token j + 1: rows up to the second-to-last prompt
             # token (the last one's logits are the sampling row).
             first = request.start_position
@@ -351,18 +304,9 @@ class StagingSlot:
 
     def _size_results(self, staged: StagedStep) -> None:
         """Make room for the step's logprobs results (read back by collect before the next fill)."""
-        k, top = staged.num_sampled, staged.num_top_logprobs
-        if top is not None:
-            self.host_buffer("logprob_top_ids", k * top, torch.int64)
-            self.host_buffer("logprob_top_values", k * top, torch.float32)
-            self.host_buffer("logprob_chosen", k, torch.float32)
-            self.host_buffer("logprob_ranks", k, torch.int64)
-        e, top = staged.num_prompt_logprob_rows, staged.num_top_prompt_logprobs
-        if e:
-            self.host_buffer("prompt_top_ids", e * top, torch.int64)
-            self.host_buffer("prompt_top_values", e * top, torch.float32)
-            self.host_buffer("prompt_chosen", e, torch.float32)
-            self.host_buffer("prompt_ranks", e, torch.int64)
-
-
-_TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+        if staged.num_top_logprobs is not None:
+            self.buffers.sample_logprobs.size_for(staged.num_sampled, staged.num_top_logprobs)
+        if staged.num_prompt_logprob_rows:
+            self.buffers.prompt_logprobs.size_for(
+                staged.num_prompt_logprob_rows, staged.num_top_prompt_logprobs
+            )
