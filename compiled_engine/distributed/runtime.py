@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from compiled_engine.distributed.process_group import RendezvousAddress, TensorParallelGroup
 from compiled_engine.distributed.workers import WorkerProcesses
+
+if TYPE_CHECKING:
+    from compiled_engine.engine_args import EngineArgs
 
 
 @dataclass
@@ -22,15 +26,16 @@ class TensorParallelRuntime:
         cls,
         world_size: int,
         device: torch.device,
-        engine_kwargs: dict,
+        engine_args: EngineArgs,
         rank_and_address: tuple[int, RendezvousAddress] | None,
     ) -> TensorParallelRuntime:
-        """Rank 0 (`rank_and_address` None): spawn the workers, then join; a worker: join."""
+        """Rank 0 (`rank_and_address` None): spawn the workers (each builds its rank from
+        `engine_args`), then join; a worker: join."""
         if rank_and_address is not None:
             rank, address = rank_and_address
             return cls(rank, world_size, TensorParallelGroup(rank, world_size, address, device), None)
         address = RendezvousAddress.on_localhost()
-        workers = WorkerProcesses(world_size, address, engine_kwargs)
+        workers = WorkerProcesses(world_size, address, engine_args)
         try:
             workers.wait_joining()
             group = TensorParallelGroup(0, world_size, address, device)

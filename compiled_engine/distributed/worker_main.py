@@ -14,9 +14,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiled_engine.distributed.process_group import RendezvousAddress
+
+if TYPE_CHECKING:
+    from compiled_engine.engine_args import EngineArgs
 
 PARENT_POLL_S = 1.0
 
@@ -30,7 +33,7 @@ def _exit_if_orphaned(parent_pid: int) -> None:
 
 
 def run_worker(
-    rank: int, world_size: int, address: RendezvousAddress, engine_kwargs: dict[str, Any], reports: Any
+    rank: int, world_size: int, address: RendezvousAddress, engine_args: EngineArgs, reports: Any
 ) -> None:
     from compiled_engine.distributed.workers import _Report
 
@@ -41,12 +44,11 @@ def run_worker(
 
         from compiled_engine.engine.llm_engine import LLMEngine
 
-        device = engine_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        if torch.device(device).type == "cpu":
+        if engine_args.resolve_device().type == "cpu":
             # The ranks share the host's cores.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         reports.put(_Report("joining", rank))
-        engine = LLMEngine(**engine_kwargs, _tensor_parallel_rank=(rank, address))
+        engine = LLMEngine(engine_args, _tensor_parallel_rank=(rank, address))
         serve_runner(engine.core.runner, engine.tensor_parallel.group)
     except BaseException:
         reports.put(_Report("error", rank, traceback.format_exc()))

@@ -12,9 +12,12 @@ import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiled_engine.distributed.process_group import RendezvousAddress
+
+if TYPE_CHECKING:
+    from compiled_engine.engine_args import EngineArgs
 
 # Importing torch and transformers in a fresh interpreter takes a few seconds; more means stuck.
 JOIN_TIMEOUT_S = 120.0
@@ -34,7 +37,7 @@ class _Report:
 
 
 class WorkerProcesses:
-    def __init__(self, world_size: int, address: RendezvousAddress, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(self, world_size: int, address: RendezvousAddress, engine_args: EngineArgs) -> None:
         from compiled_engine.distributed.worker_main import run_worker
 
         context = mp.get_context("spawn")
@@ -44,7 +47,7 @@ class WorkerProcesses:
         self.processes = [
             context.Process(
                 target=run_worker,
-                args=(rank, world_size, address, engine_kwargs, self._reports),
+                args=(rank, world_size, address, engine_args, self._reports),
                 name=f"compiled-engine-tp-rank{rank}",
                 daemon=True,  # ended with the user's process, even if it never calls close()
             )
