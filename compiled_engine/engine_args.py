@@ -20,13 +20,15 @@ import types
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
     from compiled_engine.config import EngineConfig
     from compiled_engine.model_loader.model_config import ModelConfig
+
+_Args = TypeVar("_Args", bound="EngineArgs")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
@@ -101,7 +103,7 @@ class EngineArgs:
     seed: int = option(
         0, "seed of the engine-wide sampling stream unseeded requests share", name="--engine-seed"
     )
-    device: str | None = option(None, "cpu or cuda (default: cuda if available)")
+    device: str | None = option(None, "cpu or cuda (default: cuda if available)")  # or a torch.device
     compile_buckets: tuple[int, ...] | None = option(
         None,
         "comma-separated token-count buckets to compile (default: the engine's own list)",
@@ -241,7 +243,7 @@ class EngineArgs:
                 _add_flag(parser, f, hints[f.name])
 
     @classmethod
-    def from_cli_args(cls, namespace: argparse.Namespace):
+    def from_cli_args(cls: type[_Args], namespace: argparse.Namespace) -> _Args:
         """The dataclass from parsed flags (fields without a flag in that parser keep their default)."""
         values = {}
         for f in dataclasses.fields(cls):

@@ -52,7 +52,6 @@ class LLMEngine:
                 f"LLMEngine takes an EngineArgs, got {type(args).__name__}: "
                 "LLMEngine(EngineArgs(model=..., ...)), or use LLM(...)"
             )
-        self.args = args
         device = args.resolve_device()
         self.tensor_parallel: TensorParallelRuntime | None = None
         if args.tensor_parallel_size > 1:
