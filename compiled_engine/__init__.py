@@ -1,9 +1,10 @@
 """compiled-engine: a compiler-first LLM inference engine."""
 
+from compiled_engine.engine_args import EngineArgs
 from compiled_engine.outputs import CompletionOutput, RequestOutput
 from compiled_engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

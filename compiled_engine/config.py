@@ -1,4 +1,5 @@
-"""Engine-wide settings, resolved once from the user's arguments and the model's config."""
+"""Engine-wide settings, resolved once from the user's `EngineArgs`, the device and the model's config
+(`EngineArgs.create_engine_config`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,26 @@ import torch
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every option with nothing left to decide, but the KV block count: that is sized from the
+    memory the runner leaves, after the runner is built from this config (`LLMEngine.num_kv_blocks`)."""
+
     model_dir: str
-    dtype: torch.dtype
-    device: torch.device
+    dtype: torch.dtype  # the model's, after `dtype="auto"` was resolved against its checkpoint
+    device: torch.device  # with this rank's CUDA index under tensor parallelism
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
-    num_kv_blocks: int
+    # How to size the KV cache: a fixed block count, else a byte budget, else the device decides.
+    num_kv_blocks_override: int | None
+    kv_cache_memory: int | None
     seed: int
+    enforce_eager: bool
+    compile_buckets: tuple[int, ...]  # ascending; empty when eager (nothing is compiled)
+    fuse_linears: bool
+    cache_dir: str | None
+    async_scheduling: bool
+    # The name asked for ("auto" too): the runner resolves it, as a backend may build a kernel.
+    attention_backend: str
+    enable_prefix_caching: bool
+    tensor_parallel_size: int

@@ -16,6 +16,7 @@ from compiled_engine.engine.async_llm import (
     RequestOutputKind,
 )
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 
 ENGINE_OPTIONS = dict(dtype="float32", max_model_len=128, enforce_eager=True, block_size=8, num_kv_blocks=160)
@@ -51,7 +52,7 @@ def recorder():
 
 @pytest.fixture(scope="module")
 def engine(llama_dir, recorder):
-    async_llm = AsyncLLM(LLMEngine(llama_dir, **ENGINE_OPTIONS), stats_listeners=[recorder])
+    async_llm = AsyncLLM(LLMEngine(EngineArgs(model=llama_dir, **ENGINE_OPTIONS)), stats_listeners=[recorder])
     yield async_llm
     async_llm.shutdown()
 
@@ -59,7 +60,7 @@ def engine(llama_dir, recorder):
 @pytest.fixture
 def fresh_engine(llama_dir):
     """An engine of its own, for tests that break or stop it."""
-    async_llm = AsyncLLM(LLMEngine(llama_dir, **ENGINE_OPTIONS))
+    async_llm = AsyncLLM(LLMEngine(EngineArgs(model=llama_dir, **ENGINE_OPTIONS)))
     yield async_llm
     async_llm.shutdown()
 

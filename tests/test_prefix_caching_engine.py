@@ -112,5 +112,5 @@ def test_prefix_caching_options_are_checked_and_the_cli_can_turn_it_off(llama_di
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(llama_dir, enable_prefix_caching="no", enforce_eager=True)
     parser = _build_parser()
-    assert parser.parse_args(["generate", "hi", "--no-prefix-caching"]).no_prefix_caching
-    assert not parser.parse_args(["warmup"]).no_prefix_caching
+    assert not parser.parse_args(["generate", "hi", "--no-prefix-caching"]).enable_prefix_caching
+    assert parser.parse_args(["warmup"]).enable_prefix_caching

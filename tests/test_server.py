@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from compiled_engine.engine.async_llm import AsyncLLM, FinishedRequestStats
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine_args import EngineArgs
 from compiled_engine.entrypoints.openai.api_server import build_app
 from tests.test_async_llm import wait_until_idle
 
@@ -98,7 +99,8 @@ def chat_model_dir(llama_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def served(chat_model_dir):
     recorder = FinishedRecorder()
-    engine = AsyncLLM(LLMEngine(chat_model_dir, **ENGINE_OPTIONS), stats_listeners=[recorder])
+    engine_args = EngineArgs(model=chat_model_dir, **ENGINE_OPTIONS)
+    engine = AsyncLLM(LLMEngine(engine_args), stats_listeners=[recorder])
     app = build_app(
         engine, served_model_names=[MODEL, "tiny-alias"], api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES
     )
@@ -533,7 +535,7 @@ def test_metrics_parse_and_move_with_requests(client, served):
 
 @pytest.fixture
 def plain_server(llama_dir):
-    engine = AsyncLLM(LLMEngine(llama_dir, **ENGINE_OPTIONS))
+    engine = AsyncLLM(LLMEngine(EngineArgs(model=llama_dir, **ENGINE_OPTIONS)))
     server = ServerThread(build_app(engine, served_model_names=["plain"]))
     yield server, engine
     server.stop()

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.stats import EngineStats
+from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.outputs import CompletionOutput, RequestOutput
 from compiled_engine.sampling_params import SamplingParams
@@ -281,11 +282,9 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, *, log_requests: bool = True, **engine_kwargs):
-        """Build an LLMEngine (LLM's arguments; no model = the embedded one) and wrap it."""
-        from compiled_engine.default_model_path import default_model_dir
-
-        return cls(LLMEngine(model or str(default_model_dir()), **engine_kwargs), log_requests=log_requests)
+    def from_engine_args(cls, args: EngineArgs, *, log_requests: bool = True) -> AsyncLLM:
+        """Build an LLMEngine from `args` and wrap it."""
+        return cls(LLMEngine(args), log_requests=log_requests)
 
     # -- facts about the engine, safe from any thread ----------------------------------------------------
 

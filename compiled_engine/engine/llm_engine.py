@@ -7,9 +7,8 @@ import itertools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -21,8 +20,15 @@ from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.runtime import TensorParallelRuntime
 from compiled_engine.distributed.worker_main import serve_runner
 from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt
+from compiled_engine.engine.kv_cache_sizing import (
+    KVCacheLayout,
+    blocks_for_budget,
+    cuda_free_memory_after,
+    report_capacity,
+)
 from compiled_engine.engine.output_processor import OutputProcessor
 from compiled_engine.engine.stats import EngineStats
+from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.graphs.inductor_warmup import finish_cpu_probes, start_cpu_probes
 from compiled_engine.model_loader.loader import LoadedModel, load_model
@@ -35,110 +41,26 @@ from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-# `async_scheduling=None` picks per device. CUDA: the host prepares step N+1 while the GPU runs
-# step N. CPU: off — the model and the host share the same two cores and the GIL, and the bench
-# (docs/performance.md, "Async loop") measured the worker-thread loop slower than the synchronous one.
-ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _cuda_free_memory_after(run_largest_step: Callable[[], None], device: torch.device) -> int:
-    """Bytes left for the KV cache after the largest step has run once, on CUDA."""
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    with torch.inference_mode():
-        run_largest_step()
-    torch.cuda.synchronize(device)
-    _, total = torch.cuda.mem_get_info(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    return max(0, int(total * kv_cache.CUDA_KV_CACHE_FRACTION) - peak)
+RunnerFactory = Callable[[list[torch.Tensor]], ModelRunner]
 
 
 class LLMEngine:
     def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        seed: int = 0,
-        device: str | torch.device | None = None,
-        enforce_eager: bool = False,
-        compile_buckets: Sequence[int] | None = None,
-        fuse_linears: bool = True,
-        cache_dir: str | None = None,
-        async_scheduling: bool | None = None,
-        attention_backend: str = "auto",
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        _tensor_parallel_rank: tuple[int, RendezvousAddress] | None = None,
+        self, args: EngineArgs, *, _tensor_parallel_rank: tuple[int, RendezvousAddress] | None = None
     ) -> None:
-        """`_tensor_parallel_rank` is for worker processes only (distributed/worker_main.py)."""
-        # Everything but the model and the device: what _build needs, and (with the device and size) what a
-        # tensor-parallel worker needs to build its own rank of this engine.
-        options = {
-            "dtype": dtype,
-            "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "block_size": block_size,
-            "num_kv_blocks": num_kv_blocks,
-            "kv_cache_memory": kv_cache_memory,
-            "seed": seed,
-            "enforce_eager": enforce_eager,
-            "compile_buckets": None if compile_buckets is None else tuple(compile_buckets),
-            "fuse_linears": fuse_linears,
-            "cache_dir": cache_dir,
-            "async_scheduling": async_scheduling,
-            "attention_backend": attention_backend,
-            "enable_prefix_caching": enable_prefix_caching,
-        }
-        worker_kwargs = {
-            "model": model,
-            **options,
-            "device": None if device is None else str(device),
-            "tensor_parallel_size": tensor_parallel_size,
-        }
-        dev = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        _positive_int("max_num_seqs", max_num_seqs)
-        _positive_int("block_size", block_size)
-        _positive_int("tensor_parallel_size", tensor_parallel_size)
-        self.tensor_parallel: TensorParallelRuntime | None = None
-        if tensor_parallel_size > 1:
-            if async_scheduling:
-                raise ValueError(
-                    "async_scheduling=True is not supported with tensor_parallel_size > 1: every rank "
-                    "runs each step as rank 0 scheduled it (the synchronous loop)"
-                )
-            options["async_scheduling"] = False
-            if dev.type == "cuda":
-                rank = 0 if _tensor_parallel_rank is None else _tensor_parallel_rank[0]
-                dev = torch.device("cuda", rank)
-                torch.cuda.set_device(dev)
-            self.tensor_parallel = TensorParallelRuntime.start(
-                tensor_parallel_size,
-                dev,
-                partial(serve_tensor_parallel_rank, worker_kwargs),
-                _tensor_parallel_rank,
+        """Build every stage from `args` (`LLM(...)` makes them from its keyword arguments).
+        `_tensor_parallel_rank` is for worker processes only (distributed/worker_main.py)."""
+        if not isinstance(args, EngineArgs):
+            raise TypeError(
+                f"LLMEngine takes an EngineArgs, got {type(args).__name__}: "
+                "LLMEngine(EngineArgs(model=..., ...)), or use LLM(...)"
             )
+        device = args.resolve_device()
+        self.tensor_parallel: TensorParallelRuntime | None = None
+        if args.tensor_parallel_size > 1:
+            device = self._join_tensor_parallel(args, device, _tensor_parallel_rank)
         try:
-            self._build(model, dev, **options)
+            self._build(args, device)
         except BaseException:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.abort()
@@ -152,177 +74,142 @@ class LLMEngine:
         if self.tensor_parallel is not None:
             self._finalizer()
 
-    def _build(
-        self,
-        model: str,
-        dev: torch.device,
-        *,
-        dtype: str,
-        max_model_len: int | None,
-        max_num_seqs: int,
-        max_num_batched_tokens: int | None,
-        block_size: int,
-        num_kv_blocks: int | None,
-        kv_cache_memory: int | None,
-        seed: int,
-        enforce_eager: bool,
-        compile_buckets: Sequence[int] | None,
-        fuse_linears: bool,
-        cache_dir: str | None,
-        async_scheduling: bool | None,
-        attention_backend: str,
-        enable_prefix_caching: bool,
-    ) -> None:
-        tp = self.tensor_parallel
-        if async_scheduling is None:
-            async_scheduling = ASYNC_SCHEDULING_DEFAULT.get(dev.type, False)
-        elif not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be None, True or False, got {async_scheduling!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        # Inductor's CPU probes run while the model loads (graphs/inductor_warmup.py).
-        cpu_probes = None if enforce_eager else start_cpu_probes(dev)
-        loaded: LoadedModel = load_model(
-            model, dtype=dtype, device=dev, tensor_parallel=(tp.rank, tp.world_size) if tp else None
+    # -- building, one step per method ---------------------------------------------------------------------
+
+    def _join_tensor_parallel(
+        self, args: EngineArgs, device: torch.device, rank_and_address: tuple[int, RendezvousAddress] | None
+    ) -> torch.device:
+        """Rank 0 starts the workers (each builds its rank from `args`, pickled, with
+        serve_tensor_parallel_rank); every rank joins the group. On CUDA each rank takes the device
+        of its own index."""
+        if device.type == "cuda":
+            rank = 0 if rank_and_address is None else rank_and_address[0]
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        self.tensor_parallel = TensorParallelRuntime.start(
+            args.tensor_parallel_size, device, partial(serve_tensor_parallel_rank, args), rank_and_address
         )
-        mc = loaded.model_config
-        # This rank's share of the KV heads (all of them without tensor parallelism).
-        kv_heads = loaded.tensor_parallel.local_kv_heads if loaded.tensor_parallel else mc.num_kv_heads
-        limit = mc.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = limit
-        _positive_int("max_model_len", max_model_len)
-        if max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
-            )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        return device
 
-        block_bytes = kv_cache.bytes_per_block(mc.num_layers, block_size, kv_heads, mc.head_dim, mc.dtype)
-
-        def allocate(num_blocks: int) -> list[torch.Tensor]:
-            return kv_cache.allocate_kv_caches(
-                mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim, mc.dtype, dev
-            )
+    def _build(self, args: EngineArgs, device: torch.device) -> None:
+        """Load the model, resolve the options against it, size the KV cache, build the runner
+        (warmed up, so an un-lowerable model fails at start-up), connect the stages."""
+        # Inductor's CPU probes run while the model loads (graphs/inductor_warmup.py).
+        cpu_probes = None if args.enforce_eager else start_cpu_probes(device)
+        loaded = self._load_model(args, device)
+        self.config: EngineConfig = args.create_engine_config(device, loaded.model_config)
+        layout = KVCacheLayout.of(loaded, self.config)
 
         def build_runner(caches: list[torch.Tensor]) -> ModelRunner:
             finish_cpu_probes(cpu_probes)
-            runner = ModelRunner(
-                loaded.model,
-                caches,
-                block_size=block_size,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                device=dev,
-                seed=seed,
-                enforce_eager=enforce_eager,
-                compile_buckets=compile_buckets,
-                fuse_linears=fuse_linears,
-                cache_dir=cache_dir,
-                async_scheduling=async_scheduling,
-                attention_backend=attention_backend,
-                tensor_parallel=loaded.tensor_parallel,
-            )
+            runner = ModelRunner(loaded.model, caches, self.config, tensor_parallel=loaded.tensor_parallel)
             runner.warm_up()
             return runner
 
-        runner: ModelRunner | None = None
-        if num_kv_blocks is not None:
-            _positive_int("num_kv_blocks", num_kv_blocks)
+        num_kv_blocks, runner = self._size_kv_cache(loaded, layout, build_runner)
+        runner = self._install_kv_cache(runner, layout.allocate(num_kv_blocks), build_runner)
+        self._connect_stages(loaded, runner, num_kv_blocks)
+
+    def _load_model(self, args: EngineArgs, device: torch.device) -> LoadedModel:
+        tp = self.tensor_parallel
+        return load_model(
+            args.resolve_model_dir(),
+            dtype=args.dtype,
+            device=device,
+            tensor_parallel=(tp.rank, tp.world_size) if tp else None,
+        )
+
+    def _size_kv_cache(
+        self, loaded: LoadedModel, layout: KVCacheLayout, build_runner: RunnerFactory
+    ) -> tuple[int, ModelRunner | None]:
+        """The KV block count: `num_kv_blocks`, else what `kv_cache_memory` bytes hold, else 1 GiB on
+        CPU or what CUDA has left. Also the runner, when measuring CUDA's memory built it first."""
+        config, tp = self.config, self.tensor_parallel
+        runner = None
+        if config.num_kv_blocks_override is not None:
+            num_kv_blocks = config.num_kv_blocks_override
         else:
-            if kv_cache_memory is not None:
-                _positive_int("kv_cache_memory", kv_cache_memory)
-                memory = kv_cache_memory
-            elif dev.type == "cuda":
-                # Build (compile, capture) on a one-block cache first, so the KV cache is sized
-                # from what is left once the graphs hold their memory; then swap the real cache in.
-                graph_bytes = 0
-                if enforce_eager:
-                    ids = torch.zeros(1, max_num_batched_tokens, dtype=torch.long, device=dev)
-                    largest = partial(loaded.model, input_ids=ids, use_cache=False, logits_to_keep=1)
-                else:
-                    runner = build_runner(allocate(1))
-                    graph_bytes = runner.capture_graphs()
-                    runner.release_graphs()
-                    largest = partial(runner.run_dummy_step, max_num_batched_tokens)
-                memory = _cuda_free_memory_after(largest, dev) - graph_bytes
-                logger.info(
-                    "CUDA graphs take %.1f MiB; %.1f MiB left for the KV cache",
-                    graph_bytes / 2**20,
-                    memory / 2**20,
-                )
+            if config.kv_cache_memory is not None:
+                memory = config.kv_cache_memory
+            elif config.device.type == "cuda":
+                runner, memory = self._cuda_kv_cache_memory(loaded, layout, build_runner)
             else:
                 memory = kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
-            num_kv_blocks = min(
-                kv_cache.blocks_for_memory(memory, block_bytes),
-                kv_cache.useful_block_limit(max_num_seqs, max_model_len, block_size),
+            num_kv_blocks = blocks_for_budget(
+                memory, layout, config, agree_min=tp.group.agree_min if tp is not None else None
             )
-            if tp is not None:
-                # Every rank must hold the same blocks: the smallest count that fits on all.
-                num_kv_blocks = tp.group.agree_min(num_kv_blocks)
-            if num_kv_blocks < 1:
-                raise ValueError(
-                    f"{memory} bytes of KV cache memory do not hold one block ({block_bytes} bytes)"
-                )
-        if num_kv_blocks * block_size < max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens, less than max_model_len=%d: longer requests are rejected",
-                num_kv_blocks * block_size,
-                max_model_len,
-            )
-        kv_cache.log_cache_capacity(num_kv_blocks, block_size, max_model_len)
+        report_capacity(num_kv_blocks, config)
+        return num_kv_blocks, runner
 
-        self.config = EngineConfig(
-            model_dir=str(model),
-            dtype=mc.dtype,
-            device=dev,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            seed=seed,
+    def _cuda_kv_cache_memory(
+        self, loaded: LoadedModel, layout: KVCacheLayout, build_runner: RunnerFactory
+    ) -> tuple[ModelRunner | None, int]:
+        """Build (compile, capture) on a one-block cache first, so the KV cache is sized from what
+        is left once the graphs hold their memory; the real cache is swapped in afterwards."""
+        config = self.config
+        runner: ModelRunner | None = None
+        graph_bytes = 0
+        if config.enforce_eager:
+            ids = torch.zeros(1, config.max_num_batched_tokens, dtype=torch.long, device=config.device)
+            largest = partial(loaded.model, input_ids=ids, use_cache=False, logits_to_keep=1)
+        else:
+            runner = build_runner(layout.allocate(1))
+            graph_bytes = runner.capture_graphs()
+            runner.release_graphs()
+            largest = partial(runner.run_dummy_step, config.max_num_batched_tokens)
+        memory = cuda_free_memory_after(largest, config.device) - graph_bytes
+        logger.info(
+            "CUDA graphs take %.1f MiB; %.1f MiB left for the KV cache", graph_bytes / 2**20, memory / 2**20
         )
-        self.model_config = mc
-        self.tokenizer = loaded.tokenizer
-        caches = allocate(num_kv_blocks)
+        return runner, memory
+
+    def _install_kv_cache(
+        self, runner: ModelRunner | None, caches: list[torch.Tensor], build_runner: RunnerFactory
+    ) -> ModelRunner:
+        """The runner on the real cache, with its decode graphs captured where the device has graphs
+        (CUDA; CPU runs the bucket graphs directly: graphs/decode_graphs.py)."""
         if runner is None:
             runner = build_runner(caches)
         else:
             runner.set_kv_caches(caches)
-        # Decode graphs per bucket where the device has graphs (CUDA); CPU runs the bucket
-        # graphs directly (graphs/decode_graphs.py).
         if runner.supports_graphs:
             runner.capture_graphs()
+        runner.timeline = RunnerTimeline()  # start-up steps are not part of serving's timeline
+        return runner
+
+    def _connect_stages(self, loaded: LoadedModel, runner: ModelRunner, num_kv_blocks: int) -> None:
+        """Input processing → scheduler and runner in the engine core → output processing."""
+        config, tp = self.config, self.tensor_parallel
+        self.model_config = loaded.model_config
+        self.tokenizer = loaded.tokenizer
         scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                block_size=block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                block_size=config.block_size,
                 num_kv_blocks=num_kv_blocks,
-                max_in_flight_steps=2 if async_scheduling else 1,
-                enable_prefix_caching=enable_prefix_caching,
+                max_in_flight_steps=2 if config.async_scheduling else 1,
+                enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        runner.timeline = RunnerTimeline()  # start-up steps are not part of serving's timeline
         # This rank's runner itself, for tools that read its graphs (`compiled-engine warmup`).
         self.model_runner = runner
         core_runner: Runner[LaunchedStep] = runner
         if tp is not None and tp.workers is not None:
             # Rank 0: each step (and what shapes it) reaches every rank before it runs here.
             core_runner = BroadcastingRunner(runner, tp.group, tp.workers)
-        self.core = EngineCore(scheduler, core_runner, async_scheduling=async_scheduling)
-        self.input_processor = InputProcessor(self.tokenizer, mc, max_model_len)
+        self.core = EngineCore(scheduler, core_runner, async_scheduling=config.async_scheduling)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
 
+    # -- state -----------------------------------------------------------------------------------------------
+
     @property
     def num_kv_blocks(self) -> int:
-        return self.config.num_kv_blocks
+        """Blocks the KV cache holds (sized at start-up; the scheduler's pool owns them)."""
+        return self.core.scheduler.config.num_kv_blocks
 
     @property
     def num_preemptions(self) -> int:
@@ -338,7 +225,7 @@ class LLMEngine:
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
-            num_kv_blocks=self.config.num_kv_blocks,
+            num_kv_blocks=self.num_kv_blocks,
             num_free_kv_blocks=self.num_free_kv_blocks(),
             num_preemptions=scheduler.num_preemptions,
             num_discarded_tokens=scheduler.num_discarded_tokens,
@@ -428,19 +315,18 @@ class LLMEngine:
         return processed.request_outputs
 
 
-def serve_tensor_parallel_rank(engine_kwargs: dict[str, Any], rank: int, address: RendezvousAddress) -> None:
+def serve_tensor_parallel_rank(args: EngineArgs, rank: int, address: RendezvousAddress) -> None:
     """A tensor-parallel worker process's life (distributed/worker_main.py runs it): build rank
     `rank` with the very constructor rank 0 ran, so every start-up collective happens in the same
     order on every rank, then apply rank 0's runner calls to it until rank 0 says stop."""
-    device = engine_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cpu":
+    if args.resolve_device().type == "cpu":
         # The ranks share the host's cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_kwargs["tensor_parallel_size"]))
-    engine = LLMEngine(**engine_kwargs, _tensor_parallel_rank=(rank, address))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
+    engine = LLMEngine(args, _tensor_parallel_rank=(rank, address))
     tensor_parallel = engine.tensor_parallel
-    assert tensor_parallel is not None  # tensor_parallel_size > 1 in engine_kwargs
+    assert tensor_parallel is not None  # args.tensor_parallel_size > 1
     try:
-        serve_runner(engine.core.runner, tensor_parallel.group)
+        serve_runner(engine.model_runner, tensor_parallel.group)
     finally:
         tensor_parallel.group.close()
 

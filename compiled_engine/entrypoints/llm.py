@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from compiled_engine.default_model_path import default_model_dir
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.stats import EngineStats
+from compiled_engine.engine_args import EngineArgs
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
 
@@ -36,8 +38,13 @@ class LLM:
         attention_backend: str = "auto",
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
+        **engine_args: Any,
     ) -> None:
-        """`enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
+        """Every argument is an `EngineArgs` field (compiled_engine/engine_args.py, where each is
+        described; the common ones are named here, as in vLLM, any other goes through `engine_args`;
+        an unknown name raises TypeError). No `model`: the small code model shipped in the package.
+
+        `enforce_eager=True` runs the lowered graphs without Inductor (fast start, slower steps);
         `compile_buckets` overrides the token-count buckets compiled otherwise
         (graphs/buckets.py `default_buckets`); `fuse_linears` makes the compiled graphs run q/k/v
         and gate/up as one GEMM each (graphs/passes/fuse_linears.py; ignored when eager);
@@ -55,11 +62,11 @@ class LLM:
         `stats()` reports the hit rate); `tensor_parallel_size` shards the model over that many
         ranks, this process and N-1 worker processes it starts (compiled_engine/distributed/;
         `close()` or collecting the LLM stops them)."""
-        if model is None:
-            # The small code model shipped inside the package: works offline, out of the box.
-            model = str(default_model_dir())
-        self.engine = LLMEngine(
-            model,
+        unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
+        if unknown:
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+        args = EngineArgs(
+            model=model,
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -77,7 +84,14 @@ class LLM:
             attention_backend=attention_backend,
             enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size,
+            **engine_args,
         )
+        self.engine = LLMEngine(args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An LLM built from an `EngineArgs` (e.g. the CLI's); the engine's fields of a subclass."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes now (a no-op for a single-rank engine)."""

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_engine.config import EngineConfig
 from compiled_engine.distributed.layout import TensorParallelLayout
-from compiled_engine.graphs.buckets import default_buckets
 from compiled_engine.graphs.capture import CapturedModel, capture_model
 from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache, use_inductor_cache_in
 from compiled_engine.graphs.compile_manifest import GraphOptions, build_manifest
@@ -76,35 +76,27 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         kv_caches: list[torch.Tensor],
+        config: EngineConfig,
         *,
-        block_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        device: torch.device,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        compile_buckets: Sequence[int] | None = None,
-        fuse_linears: bool = True,
-        cache_dir: str | None = None,
-        async_scheduling: bool = False,
-        attention_backend: str = "auto",
         tensor_parallel: TensorParallelLayout | None = None,
     ) -> None:
-        self.device = device
-        cache = None if enforce_eager else CompileCache(cache_dir)
+        """Runs `model` on `kv_caches` as `config` says (its block count is the caches' own)."""
+        self.device = device = config.device
+        cache = None if config.enforce_eager else CompileCache(config.cache_dir)
         if cache is not None:
             # Before the backend: the CPU kernel builds into Inductor's cache dir, kept in ours.
             use_inductor_cache_in(cache.root)
         # Resolved first: an unavailable backend is a clear error before anything is built.
-        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         self.kv_caches = kv_caches
-        buffer_seqs, buffer_len = max_num_seqs, max_model_len
-        if not enforce_eager:
+        buffer_seqs, buffer_len = config.max_num_seqs, config.max_model_len
+        if not config.enforce_eager:
             # Padding room the compiled graphs need (graphs/compiled_step.py); unused otherwise.
             buffer_seqs = max(buffer_seqs, MIN_BUFFER_SEQS)
-            buffer_len = max(buffer_len, MIN_BUFFER_BLOCKS * block_size)
-        self.buffers = InputBuffers(max_num_batched_tokens, buffer_seqs, buffer_len, block_size, device)
+            buffer_len = max(buffer_len, MIN_BUFFER_BLOCKS * config.block_size)
+        self.buffers = InputBuffers(
+            config.max_num_batched_tokens, buffer_seqs, buffer_len, config.block_size, device
+        )
         # Eager: the lowered graphs run as they are, through Dynamo's frame (guards every step).
         # Compiled: Inductor graphs per token-count bucket, called directly (graphs/compiled_step.py),
         # with sibling linears fused when `fuse_linears` (the eager path never fuses: its graphs
@@ -113,32 +105,27 @@ class ModelRunner:
         self.cache_entry: CacheEntry | None = None
         self.compiled_step: CompiledStep | None = None
         self.run_graph: Callable[[StepInputs], torch.Tensor]
-        if enforce_eager:
+        if config.enforce_eager:
             self.captured = self.run_graph = capture_model(
                 model, kv_caches, attention_backend=self.attention_backend, tensor_parallel=tensor_parallel
             )
         else:
-            buckets = (
-                compile_buckets
-                if compile_buckets is not None
-                else default_buckets(max_num_batched_tokens, max_num_seqs)
-            )
-            buckets = tuple(buckets)
+            buckets = config.compile_buckets
             options = GraphOptions(
                 dtype=kv_caches[0].dtype,
-                block_size=block_size,
+                block_size=config.block_size,
                 buckets=buckets,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
                 kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
-                fuse_linears=fuse_linears,
+                fuse_linears=config.fuse_linears,
                 attention_backend=self.attention_backend.name,
                 tensor_parallel=(
                     f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"
                 ),
             )
-            versions = step_component_versions(fuse_linears, self.attention_backend, tensor_parallel)
+            versions = step_component_versions(config.fuse_linears, self.attention_backend, tensor_parallel)
             manifest = build_manifest(model, options, device, versions)
             self.cache_entry = cache.entry(manifest)
             if not self.cache_entry.exists():
@@ -148,7 +135,7 @@ class ModelRunner:
                 kv_caches,
                 self.buffers.whole(),
                 buckets,
-                fuse_linears=fuse_linears,
+                fuse_linears=config.fuse_linears,
                 cache=self.cache_entry,
                 attention_backend=self.attention_backend,
                 tensor_parallel=tensor_parallel,
@@ -157,12 +144,12 @@ class ModelRunner:
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(config.seed)
         # Steps run on an execution stream (worker/execution_stream.py): inline for the
         # synchronous loop, a CPU worker or a CUDA stream for the async one. Two staging slots
         # let the host fill step N+1's while step N still reads its own.
         runtime = self.compiled_step.runtime if self.compiled_step is not None else runtime_for(device)
-        self.stream = stream_for(runtime, async_scheduling)
+        self.stream = stream_for(runtime, config.async_scheduling)
         weakref.finalize(self, self.stream.close)  # the CPU worker thread ends with the runner
         # Requests whose sampling needs their history (penalties, min_tokens, prompt logprobs):
         # registered by the engine core, passed to a slot each time it stages a step.

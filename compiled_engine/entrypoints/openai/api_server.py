@@ -9,13 +9,12 @@ the app's lifespan ends and the engine shuts down.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
@@ -25,13 +24,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_engine.engine.async_llm import AsyncLLM
-from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine_args import DEFAULT_MAX_REQUEST_BYTES, ServerArgs
 from compiled_engine.entrypoints.openai.errors import OpenAIError, bad_request, error_response
 from compiled_engine.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from compiled_engine.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from compiled_engine.entrypoints.openai.prompt_tokenizer import PromptTokenizer
 from compiled_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from compiled_engine.entrypoints.openai.serve_args import DEFAULT_MAX_REQUEST_BYTES
 from compiled_engine.entrypoints.openai.served_models import ServedModels
 from compiled_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -179,7 +177,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 # -- compiled-engine serve ---------------------------------------------------------------------------------
 
 
-def run_server(args: argparse.Namespace, build_engine: Callable[[], LLMEngine]) -> int:
+def run_server(args: ServerArgs) -> int:
     """Bind first (a taken port fails before minutes of model loading), build the engine, serve
     until SIGTERM/SIGINT, drain, exit."""
     import uvicorn
@@ -190,8 +188,9 @@ def run_server(args: argparse.Namespace, build_engine: Callable[[], LLMEngine]) 
         print(f"compiled-engine: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("compiled_engine.requests").setLevel(logging.INFO)
-    engine = AsyncLLM(build_engine())
-    names = args.served_model_name or [args.model or "default"]
+    # The engine (and its workers) get the engine's options only: never the API key.
+    engine = AsyncLLM.from_engine_args(args.engine_args())
+    names = args.served_model_names()
     app = build_app(
         engine,
         served_model_names=names,

@@ -1,0 +1,328 @@
+"""Every option of the engine, declared once.
+
+`EngineArgs` is what `LLM`, `LLMEngine`, `AsyncLLM`, the CLI and the tensor-parallel workers take;
+`ServerArgs` adds the options of `compiled-engine serve`. Each option is one dataclass field: its
+default, its help text and (in `option()`) how it looks on the command line. `add_cli_args` makes
+the argparse flags from the fields and `from_cli_args` turns parsed flags back into the dataclass,
+so adding an option is adding a field (and using it). Values are checked once, when the object is
+built. What depends on the device or the model (the device itself, `max_model_len`, the async
+loop, the buckets) is resolved later by `create_engine_config` into `EngineConfig` (config.py).
+
+No heavy imports at module level: the CLI builds its parser for every command, even `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from compiled_engine.config import EngineConfig
+    from compiled_engine.model_loader.model_config import ModelConfig
+
+_Args = TypeVar("_Args", bound="EngineArgs")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+# `async_scheduling=None` picks per device. CUDA: the host prepares step N+1 while the GPU runs
+# step N. CPU: off — the model and the host share the same two cores and the GIL, and the bench
+# (docs/performance.md, "Async loop") measured the worker-thread loop slower than the synchronous one.
+ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
+# kernels/backends.py ATTENTION_BACKENDS (a test keeps the two equal; importing it here costs torch).
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field appears on the command line; by default `--kebab-case` of its name, typed by
+    its annotation, a bool defaulting to False is a switch and one defaulting to True is `--no-...`."""
+
+    help: str  # what the flag does (for a `--no-...` switch: what turning the option off does)
+    name: str | None = None  # the flag when it is not the field's name in kebab case
+    choices: Collection[str] | Mapping[str, Any] | None = None  # a Mapping: flag text -> value
+    parse: Callable[[str], Any] | None = None  # text -> value where the annotation's type cannot
+    nargs: str | None = None
+
+
+def option(default: Any, help: str, **flag: Any) -> Any:
+    """A field with its default, its help, and `Flag`'s settings for the command line."""
+    return field(default=default, metadata={"flag": Flag(help, **flag)})
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """The engine's options as the user gave them (`LLM(...)`, the CLI), checked but unresolved.
+    Keyword-only; the order is the CLI's help order. LLM's docstring says more about each."""
+
+    enforce_eager: bool = option(False, "skip Inductor: run the lowered graph eagerly")
+    model: str | None = option(None, "Hugging Face model folder (default: the embedded code model)")
+    dtype: str = option(
+        "auto", "weights' and activations' dtype (default auto: the checkpoint's)", choices=DTYPE_CHOICES
+    )
+    max_model_len: int | None = option(
+        None, "longest sequence, prompt plus output (default: the model's max_position_embeddings)"
+    )
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = option(
+        None, f"most tokens in one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+    )
+    block_size: int = option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = option(
+        None, "KV cache blocks to allocate (default: sized from --kv-cache-memory or the device's memory)"
+    )
+    kv_cache_memory: int | None = option(
+        None, "bytes for the KV cache (default: 1 GiB on CPU; on CUDA what the model and graphs leave)"
+    )
+    # Not `--seed`: `generate --seed` is the per-request sampling seed.
+    seed: int = option(
+        0, "seed of the engine-wide sampling stream unseeded requests share", name="--engine-seed"
+    )
+    device: str | None = option(None, "cpu or cuda (default: cuda if available)")  # or a torch.device
+    compile_buckets: tuple[int, ...] | None = option(
+        None,
+        "comma-separated token-count buckets to compile (default: the engine's own list)",
+        name="--buckets",
+        parse=_int_list,
+    )
+    cache_dir: str | None = option(
+        None, "compile cache (default: $COMPILED_ENGINE_CACHE_DIR, else ~/.cache/compiled_engine)"
+    )
+    fuse_linears: bool = option(True, "keep q/k/v and gate/up as separate GEMMs")
+    enable_prefix_caching: bool = option(
+        True,
+        "compute every prompt in full (default: reuse cached KV blocks of shared prefixes)",
+        name="--no-prefix-caching",
+    )
+    attention_backend: str = option(
+        "auto",
+        "paged-attention kernels (default auto: triton on CUDA when installed, else torch; "
+        "on CPU the cpu kernel when a C++ compiler builds it, else torch)",
+        choices=ATTENTION_BACKEND_CHOICES,
+    )
+    tensor_parallel_size: int = option(
+        1, "shard the model over this many ranks (this process plus worker processes)"
+    )
+    async_scheduling: bool | None = option(
+        None,
+        "prepare the next step while the current one runs (auto: on for CUDA, off for CPU)",
+        choices={"auto": None, "on": True, "off": False},
+    )
+
+    def __post_init__(self) -> None:
+        # Frozen and picklable as given: paths and devices as strings, lists as tuples.
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if self.device is not None and not isinstance(self.device, str):
+            object.__setattr__(self, "device", str(self.device))  # a torch.device
+        if self.compile_buckets is not None and not isinstance(self.compile_buckets, tuple):
+            object.__setattr__(self, "compile_buckets", tuple(self.compile_buckets))
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
+        for name in ("enforce_eager", "fuse_linears", "enable_prefix_caching"):
+            _bool(name, getattr(self, name))
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}: "
+                f"choose one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
+            )
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError(
+                "async_scheduling=True is not supported with tensor_parallel_size > 1: every rank "
+                "runs each step as rank 0 scheduled it (the synchronous loop)"
+            )
+
+    # -- resolving ---------------------------------------------------------------------------------------
+
+    def resolve_model_dir(self) -> str:
+        """The model folder: `model`, else the small code model shipped inside the package."""
+        if self.model is not None:
+            return self.model
+        from compiled_engine.default_model_path import default_model_dir
+
+        return str(default_model_dir())
+
+    def resolve_device(self) -> torch.device:
+        """`device`, else CUDA when available, else the CPU (a rank's CUDA index is set later)."""
+        import torch
+
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def create_engine_config(self, device: torch.device, model_config: ModelConfig) -> EngineConfig:
+        """Every option resolved against the device and the loaded model's config. The KV block
+        count is not among them: it is sized later, from what the runner leaves (LLMEngine)."""
+        from compiled_engine.config import EngineConfig
+        from compiled_engine.graphs.buckets import check_buckets, default_buckets
+
+        limit = model_config.max_position_embeddings
+        max_model_len = limit if self.max_model_len is None else self.max_model_len
+        if max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.enforce_eager:
+            buckets: tuple[int, ...] = ()  # nothing is compiled
+        elif self.compile_buckets is not None:
+            buckets = check_buckets(self.compile_buckets, max_num_batched_tokens)
+        else:
+            buckets = default_buckets(max_num_batched_tokens, self.max_num_seqs)
+        if self.tensor_parallel_size > 1:
+            async_scheduling = False  # every rank runs each step as rank 0 scheduled it
+        elif self.async_scheduling is None:
+            async_scheduling = ASYNC_SCHEDULING_DEFAULT.get(device.type, False)
+        else:
+            async_scheduling = self.async_scheduling
+        return EngineConfig(
+            model_dir=self.resolve_model_dir(),
+            dtype=model_config.dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=self.block_size,
+            num_kv_blocks_override=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            compile_buckets=buckets,
+            fuse_linears=self.fuse_linears,
+            cache_dir=self.cache_dir,
+            async_scheduling=async_scheduling,
+            attention_backend=self.attention_backend,
+            enable_prefix_caching=self.enable_prefix_caching,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+    # -- the command line --------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: Collection[str] = ()) -> None:
+        """One flag per field (but those named in `skip`); the parsed value lands under the field's name."""
+        hints = typing.get_type_hints(cls)
+        # A subclass's own options first (serve: the server's, then the engine's).
+        engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        for f in sorted(dataclasses.fields(cls), key=lambda f: f.name in engine_fields):
+            if f.name not in skip:
+                _add_flag(parser, f, hints[f.name])
+
+    @classmethod
+    def from_cli_args(cls: type[_Args], namespace: argparse.Namespace) -> _Args:
+        """The dataclass from parsed flags (fields without a flag in that parser keep their default)."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if hasattr(namespace, f.name):
+                value = getattr(namespace, f.name)
+                choices = f.metadata["flag"].choices
+                if isinstance(choices, Mapping):
+                    value = choices[value]
+                values[f.name] = tuple(value) if isinstance(value, list) else value
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs(EngineArgs):
+    """`compiled-engine serve`: the engine's options plus the HTTP server's."""
+
+    host: str = option("127.0.0.1", "address to bind (default: 127.0.0.1, local only)")
+    port: int = option(8000, "port to listen on (0: any free one)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    served_model_name: tuple[str, ...] | None = option(
+        None, "name(s) clients pass as `model` (default: the --model argument, or 'default')", nargs="+"
+    )
+    max_request_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BYTES,
+        f"largest request body accepted; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.served_model_name, str):
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        elif self.served_model_name is not None:
+            object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+            if not self.served_model_name:
+                raise ValueError("served_model_name must name at least one model")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an int from 0 to 65535, got {self.port!r}")
+        _positive_int("max_request_bytes", self.max_request_bytes)
+
+    def engine_args(self) -> EngineArgs:
+        """The engine's part alone (what the engine and its workers receive; no API key)."""
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineArgs)})
+
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.served_model_name or (self.model or "default",)
+
+
+def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) -> None:
+    flag: Flag = f.metadata["flag"]
+    if hint is bool:
+        # A switch that turns the default around: `--x` for a False default, `--no-x` for True.
+        name = flag.name or ("--no-" if f.default else "--") + f.name.replace("_", "-")
+        action = "store_false" if f.default else "store_true"
+        parser.add_argument(name, dest=f.name, action=action, help=flag.help)
+        return
+    name = flag.name or "--" + f.name.replace("_", "-")
+    if isinstance(flag.choices, Mapping):
+        default = next(text for text, value in flag.choices.items() if value == f.default)
+        parser.add_argument(name, dest=f.name, choices=list(flag.choices), default=default, help=flag.help)
+        return
+    parser.add_argument(
+        name,
+        dest=f.name,
+        type=flag.parse or _scalar_type(hint),
+        choices=None if flag.choices is None else list(flag.choices),
+        nargs=flag.nargs,
+        default=f.default,
+        help=flag.help,
+        # Named after the flag, not the field (`--buckets BUCKETS`), as argparse would by itself.
+        metavar=None if flag.choices is not None else name.removeprefix("--").replace("-", "_").upper(),
+    )
+
+
+def _scalar_type(hint: Any) -> type:
+    """What argparse converts one word to: `int | None` -> int, `tuple[str, ...]` -> str."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        hint = typing.get_args(hint)[0]
+    if hint not in (int, str, float):
+        raise TypeError(f"no command-line form for {hint!r}: give the field's option() a parse=")
+    return hint
