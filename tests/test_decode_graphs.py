@@ -51,7 +51,8 @@ def steps(llama_dir):
     runtime = RecordingRuntime()
     buffers = InputBuffers(64, MAX_SEQS, 256, BLOCK_SIZE, torch.device("cpu"))
     graphed = CompiledStep(loaded.model, caches, buffers.whole(), BUCKETS, runtime=runtime)
-    graphs = graphed.capture_graphs()
+    graphed.capture_graphs()
+    graphs = graphed.decode_graphs.graphs
     plain_buffers = InputBuffers(64, MAX_SEQS, 256, BLOCK_SIZE, torch.device("cpu"))
     plain = CompiledStep(loaded.model, caches, plain_buffers.whole(), BUCKETS)
     return graphed, buffers, plain, plain_buffers, caches, runtime, graphs
