@@ -229,4 +229,6 @@ def test_packed_linear_buckets_save_and_load(tmp_path, llama_dir, monkeypatch):
     assert warm_step.num_traces == 0
     assert {b.source for b in warm_step.builds.values()} == {"loaded"}
     assert all(b.variant.packed_linears for b in warm_step.builds.values())
+    # A loaded bucket reports the passes its graph got when compiled (stored in the artifact header).
+    assert {b: r.passes for b, r in warm_step.builds.items()} == {b: r.passes for b, r in cold_builds.items()}
     assert _tokens(warm) == expected

@@ -43,10 +43,11 @@ def test_warmup_prints_a_table_and_a_later_start_is_warm(llama_dir, tmp_path, ca
     for bucket, label in ((1, "1"), (2, "2"), (None, "dynamic")):
         assert rows[label][2] == linears_label(step.builds[bucket].variant)
 
-    # Run again: every graph is a cache hit.
+    # Run again: every graph is a cache hit, and says which passes its graph got.
     assert main(["warmup", "--model", llama_dir, "--cache-dir", str(tmp_path), *OPTIONS]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()[2:]]
-    assert [row[1] for row in rows] == ["hit", "hit", "hit"]
+    hits = [line.split() for line in capsys.readouterr().out.strip().splitlines()[2:]]
+    assert [row[1] for row in hits] == ["hit", "hit", "hit"]
+    assert {row[0]: row[4] for row in hits} == {label: row[4] for label, row in rows.items()}
 
 
 def test_warmup_bad_option_is_a_clear_error(llama_dir, tmp_path, capsys):
