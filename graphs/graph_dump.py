@@ -11,6 +11,8 @@ and every graph a `DumpingPassManager` processes lands in `DIR/<graph-id>/`:
     bucket-4/01-after-gemv_lowering.py   ... one file per pass that applied to that bucket
     dynamic/00-traced.py            the dynamic graph above the largest bucket
 
+    bucket-4/passes.txt             the bucket's pass report: each pass's nodes rewritten and notes
+
 `<graph-id>` is Dynamo's backend id for the graph (unique per compiled graph, so graphs of
 several models or shape specialisations never overwrite each other), else a name made from
 the object's id.
@@ -25,9 +27,16 @@ from pathlib import Path
 
 from torch import fx
 
-from compiled_engine.graphs.pass_manager import BucketTarget, GraphPass, PassManager, PipelinePass
+from compiled_engine.graphs.pass_manager import (
+    BucketTarget,
+    GraphPass,
+    PassManager,
+    PassReport,
+    PipelinePass,
+)
 
 DUMP_DIR_ENV = "COMPILED_ENGINE_DUMP_GRAPHS"
+REPORT_FILE = "passes.txt"
 
 
 def dump_dir_from_env() -> Path | None:
@@ -92,3 +101,12 @@ class DumpingPassManager(PassManager):
         # The half-rewritten graph explains the error; never let dumping mask it.
         with contextlib.suppress(Exception):
             self._dump(gm, f"failed-in-{graph_pass.name}", target)
+
+    def _reported(self, gm: fx.GraphModule, report: PassReport, target: BucketTarget | None) -> None:
+        # A bucket's folder also gets its pass report (nodes rewritten, notes): the per-bucket
+        # passes are chosen per bucket, so which ran, and what they did, is worth a file.
+        if self.dump_dir is not None and target is not None:
+            folder = self.dump_dir / graph_id(gm) / bucket_label(target.bucket)
+            folder.mkdir(parents=True, exist_ok=True)
+            summary = report.summary() or "no per-bucket pass applied"
+            (folder / REPORT_FILE).write_text(summary, encoding="utf-8")

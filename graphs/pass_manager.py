@@ -218,7 +218,9 @@ class PassManager:
             results.append(result)
         gm.graph.lint()
         gm.recompile()
-        return PassReport(tuple(results))
+        report = PassReport(tuple(results))
+        self._reported(gm, report, target)
+        return report
 
     # Hooks around each run and pass (graphs/graph_dump.py writes the graph there).
 
@@ -229,6 +231,9 @@ class PassManager:
         pass
 
     def _failed(self, gm: fx.GraphModule, graph_pass: GraphPass, target: BucketTarget | None) -> None:
+        pass
+
+    def _reported(self, gm: fx.GraphModule, report: PassReport, target: BucketTarget | None) -> None:
         pass
 
     def versions(self) -> dict[str, str]:

@@ -16,6 +16,7 @@ from compiled_engine.graphs.capture import default_pass_manager
 from compiled_engine.graphs.gemv_policy import GemvDecision
 from compiled_engine.graphs.graph_dump import (
     DUMP_DIR_ENV,
+    REPORT_FILE,
     DumpingPassManager,
     dump_dir_from_env,
     dump_graph,
@@ -157,9 +158,12 @@ def test_compiled_path_dumps_its_fused_graph(tmp_path, monkeypatch) -> None:
     assert [r.pass_name for r in report.results] == ["gemv_lowering", "inline_attention"]
     bucket_dir = graph_dir / "bucket-1"
     names = ["00-traced.py", "01-after-gemv_lowering.py", "02-after-inline_attention.py"]
-    assert sorted(p.name for p in bucket_dir.iterdir()) == names
+    assert sorted(p.name for p in bucket_dir.iterdir()) == [*names, REPORT_FILE]
     assert "paged_attention_inline" not in (bucket_dir / names[1]).read_text()
     assert "paged_attention_inline" in (bucket_dir / names[2]).read_text()
+    # And the bucket's pass report, with what each pass did.
+    assert (bucket_dir / REPORT_FILE).read_text() == report.summary()
+    assert f"gemv_lowering: {report.result('gemv_lowering').nodes_rewritten}" in report.summary()
     # The traced graph's own dumps are untouched.
     assert sorted(p.name for p in graph_dir.iterdir() if p.is_file()) == _stage_files(passes)
 
