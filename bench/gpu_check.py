@@ -625,7 +625,7 @@ class ParityRunner:
                 f"- times: transformers reference {ref_s:.1f} s, engine start {start_s:.1f} s, "
                 f"generate {gen_s:.2f} s"
             )
-            compiled = llm.engine.core.runner.compiled_step
+            compiled = _compiled_step(llm)
             if compiled is not None:
                 report.line(f"- compile s per bucket: {_format_compile_seconds(compiled.compile_seconds)}")
             if leaked:
@@ -878,7 +878,7 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
                     async_scheduling=loop,
                     **plan.engine_kwargs(system != "eager"),
                 )
-                compiled = runner.engine.core.runner.compiled_step
+                compiled = _compiled_step(runner)
                 if compiled is not None:
                     # Compile every bucket now, so no measured step pays for a compile.
                     compiled.compile_buckets(list(plan.buckets))
@@ -887,7 +887,7 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
                     )
                     graphs = compiled.decode_graphs.graphs
                     if system == "compiled, no CUDA graphs":
-                        runner.engine.core.runner.release_graphs()
+                        runner.engine.model_runner.release_graphs()
                     elif graphs is not None and compiled.runtime.supports_graphs:
                         compile_notes.append(
                             "decode graphs (bucket: capture s, memory): "
@@ -931,11 +931,19 @@ def timing_section(plan: TimingPlan, device: torch.device, budget: Budget) -> Ca
     return run
 
 
+def _compiled_step(llm):
+    """The engine's CompiledStep (graphs/compiled_step.py), or None on the eager path."""
+    from compiled_engine.graphs.compiled_step import CompiledStep
+
+    step = llm.engine.model_runner.step_graph
+    return step if isinstance(step, CompiledStep) else None
+
+
 def _graph_forward_ms(llm, concurrency: int, buckets: tuple[int, ...], device: torch.device) -> float | None:
     """Median ms of replaying the decode graph of `concurrency`'s bucket alone (CUDA graphs only)."""
     from compiled_engine.graphs.buckets import bucket_for
 
-    compiled = llm.engine.core.runner.compiled_step
+    compiled = _compiled_step(llm)
     graphs = compiled.decode_graphs.graphs if compiled is not None else None
     bucket = bucket_for(concurrency, buckets)
     if graphs is None or bucket is None or not graphs.has(bucket) or device.type != "cuda":
@@ -961,7 +969,7 @@ def sized_start_section(models: list[ParityModel], device: torch.device) -> Call
         started = time.perf_counter()
         llm = LLM(str(model.path), device=str(device), max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
         ready_s = time.perf_counter() - started
-        step = llm.engine.core.runner.compiled_step
+        step = _compiled_step(llm)
         graphs = step.decode_graphs.graphs if step is not None else None
         graph_bytes = graphs.memory_bytes if graphs is not None else 0
         report.line(

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for group in GROUPS:
         ms = per_step[group]
         print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
-    print(f"  (attention backend: {engine.core.runner.attention_backend.name})")
+    print(f"  (attention backend: {engine.model_runner.attention_backend.name})")
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     for event in events[: args.top]:
         ms = event.self_cpu_time_total / 1e3 / args.steps

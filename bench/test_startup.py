@@ -37,7 +37,7 @@ start = time.perf_counter()
 from compiled_engine import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], dtype=sys.argv[3], **json.loads(sys.argv[2]))
-step = llm.engine.core.runner.compiled_step
+step = llm.engine.model_runner.step_graph
 if sys.argv[4] == "all":  # ready for every batch size, as after `compiled-engine warmup`
     from compiled_engine.entrypoints.warmup import warm_up_buckets
     warm_up_buckets(step, show_progress=False)

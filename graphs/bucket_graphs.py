@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from compiled_engine.graphs.device import CapturedGraph, DeviceRuntime, StepFn
+from compiled_engine.kernels.source_version import source_version
 
-# Goes into the compile-cache key: bump when capture order or pooling changes.
-BUCKET_GRAPHS_VERSION = "bucket-graphs-1"
+# Goes into the compile-cache key: a hash of this source (capture order, pooling).
+BUCKET_GRAPHS_VERSION = source_version(__name__)
 
 
 class BucketGraphs:

@@ -9,14 +9,14 @@ paged-attention metadata as extra keyword arguments, under `torch.compile(fullgr
 dynamic=True)` with our own Dynamo backend. Attention reaches the graph as
 `torch.ops.compiled_engine.paged_attention` through transformers' AttentionInterface
 (graphs/attention_interface.py); a model that calls SDPA itself is rewritten by the
-lower_sdpa pass. The backend runs the pass manager (default_pass_manager) on each
-GraphModule Dynamo hands it and returns it eager — or hands it to `graph_compiler` (Inductor)
-when one is given, after the passes.
+lower_sdpa pass. The backend runs the pass manager's capture-time passes
+(graphs/pass_pipeline.py) on each GraphModule Dynamo hands it and returns it eager — or hands it
+to `graph_compiler` (Inductor) when one is given, after the passes.
 
-With `fuse_linears=True` the backend first freezes the weights into graph constants
-(graphs/passes/freeze_parameters.py) and the pass manager fuses sibling linears (q/k/v,
-gate/up) into one GEMM each (graphs/passes/fuse_linears.py), all graphs of one model sharing
-one copy of the concatenated weights. The frozen graph takes fewer inputs: `graph_compiler`
+With `fuse_linears=True` the pipeline first freezes the weights into graph constants
+(graphs/passes/freeze_parameters.py) and later fuses sibling linears (q/k/v, gate/up) into one
+GEMM each (graphs/passes/fuse_linears.py), all graphs of one model sharing one copy of the
+concatenated weights. The frozen graph takes fewer inputs: `graph_compiler`
 gets that graph and only its kept example inputs, and the placeholders left on the graph (the
 ones a CallingConvention reads) are exactly the inputs the graph still takes.
 
@@ -46,20 +46,14 @@ from compiled_engine.graphs.attention_interface import (
     register_paged_attention,
     step_attention_kwargs,
 )
-from compiled_engine.graphs.graph_dump import DumpingPassManager, dump_dir_from_env
-from compiled_engine.graphs.pass_manager import GraphPass, PassManager, PassReport, PassResult
-from compiled_engine.graphs.passes.check_lowering import CheckLowering
-from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from compiled_engine.graphs.pass_manager import PassManager, PassReport
+from compiled_engine.graphs.pass_pipeline import default_pass_manager
 from compiled_engine.graphs.passes.freeze_parameters import (
-    FreezeParameters,
     frozen_callable,
     kept_example_inputs,
+    kept_input_indices,
 )
-from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
-from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
-from compiled_engine.graphs.passes.noop_elimination import NoopElimination
-from compiled_engine.graphs.passes.select_attention_backend import SelectAttentionBackend
-from compiled_engine.graphs.passes.tensor_parallel import ShardForTensorParallel
+from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 from compiled_engine.kernels.backends import AttentionBackend
 
@@ -69,40 +63,6 @@ _RECOMPILE_LIMIT = 32
 _step_ids = itertools.count()
 
 GraphCompiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
-
-
-def default_pass_manager(
-    model_class_name: str,
-    num_attention_layers: int | None,
-    fused_weights: FusedWeightCache | None = None,
-    attention_backend: AttentionBackend | None = None,
-    tensor_parallel: TensorParallelLayout | None = None,
-) -> PassManager:
-    """Lower direct SDPA, drop no-ops, the dead mask subgraph and marker, then refuse leftover attention.
-
-    With `fused_weights` (the model's shared cache of concatenated weights), sibling linears
-    are fused after the SDPA lowering; that needs graphs whose weights were frozen first.
-    No-op elimination runs after the rewriting passes (so it also sees the nodes they add)
-    and before DCE, which removes what it leaves unused (the other operand of a dropped
-    `type_as`). With `attention_backend` other than "torch", a last pass points the attention
-    calls at that backend's op. With `tensor_parallel` (this rank's layout), a first pass inserts
-    the collectives that make the sharded weights' partial outputs whole. With
-    COMPILED_ENGINE_DUMP_GRAPHS=DIR set when the manager is made,
-    every graph it processes is written to DIR before and after each pass (graphs/graph_dump.py).
-    """
-    passes: list[GraphPass] = [LowerSdpa()]
-    if tensor_parallel is not None:
-        passes.insert(0, ShardForTensorParallel(tensor_parallel))
-    if fused_weights is not None:
-        passes.append(FuseLinears(fused_weights))
-    passes += [
-        NoopElimination(),
-        DeadCodeElimination(),
-        CheckLowering(model_class_name, num_attention_layers),
-    ]
-    if attention_backend is not None and attention_backend.name != "torch":
-        passes.append(SelectAttentionBackend(attention_backend))
-    return DumpingPassManager(passes, dump_dir_from_env())
 
 
 def _run_model(
@@ -123,8 +83,9 @@ class CapturedModel:
     """One model's captured step: `__call__(StepInputs) -> logits [K, vocab]`.
 
     `graphs` holds every lowered GraphModule traced so far (one per shape specialisation) and
-    `pass_log` the matching PassReports, in capture order. With `freeze_parameters`, each
-    graph's weights are frozen (FreezeParameters, first in its report) before `pass_manager` runs.
+    `pass_log` the matching PassReports, in capture order. `pass_manager`'s capture-time passes
+    run on each graph; when they freeze its weights (freeze_parameters), the graph takes fewer
+    inputs than Dynamo's, and the backend adapts the call.
     """
 
     def __init__(
@@ -133,10 +94,8 @@ class CapturedModel:
         kv_caches: list[torch.Tensor],
         pass_manager: PassManager,
         graph_compiler: GraphCompiler | None = None,
-        freeze_parameters: bool = False,
     ) -> None:
         self.model = model
-        self.freeze_parameters = freeze_parameters
         self.kv_caches = kv_caches
         self.pass_manager = pass_manager
         self.graphs: list[fx.GraphModule] = []
@@ -160,15 +119,8 @@ class CapturedModel:
 
     def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         num_dynamo_inputs = len(example_inputs)
-        kept: tuple[int, ...] = tuple(range(num_dynamo_inputs))
-        frozen: tuple[PassResult, ...] = ()
-        if self.freeze_parameters:
-            # Per graph: the pass needs this graph's example inputs to tell weights apart.
-            freeze = FreezeParameters(example_inputs)
-            frozen = (freeze(gm),)
-            kept = freeze.kept_input_indices or ()
-        report = self.pass_manager(gm)
-        report = PassReport(frozen + report.results)
+        report = self.pass_manager.run_capture(gm, example_inputs)
+        kept = kept_input_indices(gm, num_dynamo_inputs)
         self.graphs.append(gm)
         self.pass_log.append(report)
         if self._graph_compiler is not None:
@@ -270,4 +222,4 @@ def capture_model(
     pass_manager = default_pass_manager(
         type(model).__name__, len(kv_caches), fused_weights, attention_backend, tensor_parallel
     )
-    return CapturedModel(model, kv_caches, pass_manager, graph_compiler, freeze_parameters=fuse_linears)
+    return CapturedModel(model, kv_caches, pass_manager, graph_compiler)

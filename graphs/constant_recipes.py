@@ -23,9 +23,10 @@ import torch
 from torch import fx
 
 from compiled_engine.graphs.calling_convention import model_source_value
+from compiled_engine.kernels.source_version import source_version
 
 RECIPES_META = "compiled_engine_constant_recipes"
-CONSTANT_RECIPES_VERSION = "1"
+CONSTANT_RECIPES_VERSION = source_version(__name__, "compiled_engine.graphs.calling_convention")
 
 Recipe = dict[str, Any]
 

@@ -20,7 +20,8 @@ flow — capture order, in-place buffer updates, replay, dispatch — run in CI.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,30 +30,40 @@ from compiled_engine.graphs.buckets import bucket_for, bucket_shape, pad_step
 from compiled_engine.graphs.device import DeviceRuntime, StepFn
 from compiled_engine.graphs.step_inputs import StepInputs
 
-if TYPE_CHECKING:
-    from compiled_engine.graphs.compiled_step import CompiledStep
+# A bucket's compiled callable, and the compiled graphs' arguments for views of the buffers
+# (graphs/compiled_step.py's `artifact` and `step_args`).
+Artifacts = Callable[[int], Callable[..., Any]]
+StepArgs = Callable[[StepInputs], list[Any]]
 
 
 class DecodeGraphs:
-    def __init__(self, step: CompiledStep, runtime: DeviceRuntime) -> None:
-        self.step = step
+    """The captured decode graphs of one compiled step: `buffers` are its persistent step
+    buffers, `buckets` its compiled buckets (those <= max_num_seqs get a graph)."""
+
+    def __init__(
+        self, runtime: DeviceRuntime, buffers: StepInputs, buckets: Sequence[int], max_num_seqs: int
+    ) -> None:
         self.runtime = runtime
-        self.buckets = tuple(b for b in step.buckets if b <= step.max_num_seqs)
+        self.buffers = buffers
+        self.max_num_seqs = max_num_seqs
+        self.all_buckets = tuple(buckets)
+        self.buckets = tuple(b for b in buckets if b <= max_num_seqs)
         self.graphs: BucketGraphs | None = None
 
     @property
     def width(self) -> int:
-        return self.step.buffers.block_tables.shape[1]
+        return self.buffers.block_tables.shape[1]
 
-    def capture(self) -> BucketGraphs:
-        """Capture every graph bucket (compiling or loading its artifact first if needed)."""
+    def capture(self, artifact: Artifacts, step_args: StepArgs) -> BucketGraphs:
+        """Capture every graph bucket (`artifact(bucket)` compiles or loads it first if needed)."""
         self.release()
         if not self.buckets:
-            raise ValueError(f"no bucket of {self.step.buckets} is <= max_num_seqs={self.step.max_num_seqs}")
+            raise ValueError(f"no bucket of {self.all_buckets} is <= max_num_seqs={self.max_num_seqs}")
         graphs = BucketGraphs(self.runtime, self.buckets)
-        self.step.compile_buckets(list(self.buckets))
+        for bucket in self.buckets:
+            artifact(bucket)
         with torch.inference_mode():
-            graphs.capture_all(self._step_fn)
+            graphs.capture_all(lambda bucket: self._step_fn(bucket, artifact(bucket), step_args))
         self.graphs = graphs
         return graphs
 
@@ -69,15 +80,14 @@ class DecodeGraphs:
         bucket = bucket_for(num_tokens, self.buckets)
         if bucket is None or not graphs.has(bucket):
             return None
-        shape = bucket_shape(bucket, self.step.max_num_seqs)
-        pad_step(self.step.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
+        shape = bucket_shape(bucket, self.max_num_seqs)
+        pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
         return graphs.replay(bucket)[: inputs.logits_indices.shape[0]]
 
-    def _step_fn(self, bucket: int) -> StepFn:
+    def _step_fn(self, bucket: int, artifact: Callable[..., Any], step_args: StepArgs) -> StepFn:
         """The bucket's compiled artifact bound to static views of the buffers, set to padding."""
-        step = self.step
-        shape = bucket_shape(bucket, step.max_num_seqs)
-        b = step.buffers
+        shape = bucket_shape(bucket, self.max_num_seqs)
+        b = self.buffers
         # Pad an empty step to the bucket: capture and its warm-up write only the scratch block.
         b.query_start_loc[0] = 0
         empty = StepInputs(
@@ -90,8 +100,7 @@ class DecodeGraphs:
             logits_indices=b.logits_indices[:0],
         )
         views = pad_step(b, empty, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
-        args = step.step_args(views)
-        artifact = step.artifact(bucket)
+        args = step_args(views)
 
         def run_bucket() -> torch.Tensor:
             return artifact(*args)[0]

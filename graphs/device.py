@@ -26,8 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-# Goes into the compile-cache key with the other versions: bump when capture semantics change.
-DEVICE_RUNTIME_VERSION = "device-runtime-1"
+from compiled_engine.kernels.source_version import source_version
+
+# Goes into the compile-cache key with the other versions: a hash of this source.
+DEVICE_RUNTIME_VERSION = source_version(__name__)
 
 # Warm-up calls before a CUDA capture: the first call of a compiled artifact loads its kernels
 # and creates cuBLAS handles/workspaces, none of which may happen inside a capture. torch's

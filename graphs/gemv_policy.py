@@ -80,9 +80,10 @@ from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_operands
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear, onednn_linear_available
+from compiled_engine.kernels.source_version import source_version
 
-# Bump when the measurement or the decision rule changes: cached decisions then stop loading.
-GEMV_POLICY_VERSION = "gemv_policy=3"
+# A hash of this source: when the measurement or the decision rule changes, cached decisions stop loading.
+GEMV_POLICY_VERSION = source_version(__name__)
 
 # Larger row counts are assumed GEMM after this many GEMM wins in a row.
 _GEMM_WINS_TO_STOP = 2

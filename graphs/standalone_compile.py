@@ -1,7 +1,7 @@
 """Inductor's standalone_compile over fake example inputs from our own FakeTensorMode.
 
 A bucket graph is compiled from fake inputs whose block-table width is symbolic, made in a
-FakeTensorMode with a shape environment of our choosing (graphs/compiled_step.py says why).
+FakeTensorMode with a shape environment of our choosing (graphs/bucket_compiler.py says why).
 torch >= 2.12 takes that mode as `fake_mode=`. torch 2.11 (seen on a device machine) has no
 such argument, and with dynamic_shapes="from_example_inputs" makes a fresh mode that our fakes
 do not belong to; there the mode goes in through the tracing context instead.

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-COLLECTIVES_VERSION = "1"
+from compiled_engine.kernels.source_version import source_version
+
+COLLECTIVES_VERSION = source_version(__name__)
 
 
 @torch.library.custom_op("compiled_engine::tp_all_reduce", mutates_args=())

@@ -18,17 +18,18 @@ kv_cache_write, so functionalisation keeps the cache in place.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 
 import torch
 
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 from compiled_engine.kernels.reference import _check_inputs
+from compiled_engine.kernels.source_version import files_version, module_file
 
-# Goes into compile-cache keys with a hash of the kernel's source (the numerics live there).
-CPU_ATTENTION_VERSION = (
-    "cpu_attention-1+" + hashlib.sha256(cpu_attention_build.SOURCE.read_bytes()).hexdigest()[:12]
+# Goes into compile-cache keys: a hash of the op's Python side, its build and the C++ source
+# (the numerics live there).
+CPU_ATTENTION_VERSION = files_version(
+    module_file(__name__), module_file(cpu_attention_build.__name__), cpu_attention_build.SOURCE
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 
 from compiled_engine.kernels.reference import _write_kv
+from compiled_engine.kernels.source_version import source_version
 
 # Goes into every compile-cache key (Inductor's own key does not see a custom op's Python body):
-# bump it whenever kv_cache_write or the maths of paged_attention_inline change.
-INLINE_ATTENTION_VERSION = "inline_attention-2"
+# a hash of this source and the reference's KV write it reuses (kernels/source_version.py).
+INLINE_ATTENTION_VERSION = source_version(__name__, "compiled_engine.kernels.reference")
 
 # `materialize(x)`: a contiguous copy of x that Inductor cannot see through. Why: Inductor inlines
 # a pointwise producer into each consumer, and inside the attention's reductions that means

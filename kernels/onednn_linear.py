@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-ONEDNN_LINEAR_VERSION = "1"
+from compiled_engine.kernels.source_version import source_version
+
+ONEDNN_LINEAR_VERSION = source_version(__name__)
 
 # Weight dtypes the op is offered for; bf16 only where oneDNN reports bf16 support.
 _DTYPES = (torch.float32, torch.bfloat16)

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import torch
 
-# Goes into every compile-cache key: bump it whenever the op's schema or semantics change.
-PAGED_ATTENTION_VERSION = "paged_attention-2"
+from compiled_engine.kernels.source_version import source_version
+
+# Goes into every compile-cache key: a hash of this source (schema, fake impl; kernels/source_version.py).
+PAGED_ATTENTION_VERSION = source_version(__name__)
 
 
 @torch.library.custom_op("compiled_engine::paged_attention", mutates_args=("kv_cache",))

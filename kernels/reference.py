@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
-# Goes into the compile-cache key next to the op's own version: bump on any numerical change.
-REFERENCE_VERSION = "paged_attention_reference-3"
+from compiled_engine.kernels.source_version import source_version
+
+# Goes into the compile-cache key next to the op's own version: a hash of this source.
+REFERENCE_VERSION = source_version(__name__)
 
 # Upper bound on the float32 keys + values gathered for one chunk of query tokens. Kept well
 # under glibc's 32 MiB mmap ceiling so the chunk buffers are recycled from the heap: fresh

@@ -42,9 +42,10 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from compiled_engine.kernels.reference import _check_inputs
+from compiled_engine.kernels.source_version import source_version
 
-# Goes into the compile-cache key with the op's own version: bump on any numerical change.
-TRITON_ATTENTION_VERSION = "triton_attention-1"
+# Goes into the compile-cache key with the op's own version: a hash of this source.
+TRITON_ATTENTION_VERSION = source_version(__name__)
 
 MAX_HEAD_DIM = 256
 # Keys per split-KV partition. Long enough that the reduce is cheap next to the partitions,

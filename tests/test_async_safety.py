@@ -61,7 +61,7 @@ class SlotChecker:
 
 
 def _arm_block_check(llm: LLM, monkeypatch) -> list[str]:
-    runner = llm.engine.core.runner
+    runner = llm.engine.model_runner
     pool = llm.engine.core.scheduler.kv_cache_manager.block_pool
     allocate = pool.allocate
     violations: list[str] = []
@@ -93,7 +93,7 @@ def async_llm(llama_dir):
 
 
 def test_slow_worker_never_sees_a_reused_slot_or_block(async_llm, monkeypatch):
-    runner = async_llm.engine.core.runner
+    runner = async_llm.engine.model_runner
     slots = SlotChecker()
     slots.arm(runner, monkeypatch)
     block_violations = _arm_block_check(async_llm, monkeypatch)
@@ -121,7 +121,7 @@ def test_the_slot_check_fires_when_the_runner_does_not_wait_for_the_slot(async_l
     """Three launches back to back (one more than the scheduler ever allows) on a slow worker: the
     third reuses the first one's slot. With the wait on `consumed` it is safe; without, the check
     sees the overwrite — so the check can fail."""
-    runner = async_llm.engine.core.runner
+    runner = async_llm.engine.model_runner
     for disable_wait in (False, True):
         slots = SlotChecker()
         with monkeypatch.context() as patch:

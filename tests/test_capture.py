@@ -21,8 +21,13 @@ from compiled_engine.errors import UnsupportedModelError
 from compiled_engine.graphs import capture
 from compiled_engine.graphs.capture import capture_model, default_pass_manager
 from compiled_engine.graphs.pass_manager import PassManager
+from compiled_engine.graphs.passes.check_lowering import CheckLowering
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
+from compiled_engine.graphs.passes.inline_attention import InlineAttention
 from compiled_engine.graphs.passes.lower_sdpa import PAGED_ATTENTION_TARGETS, SDPA_TARGETS, LowerSdpa
+from compiled_engine.graphs.passes.noop_elimination import NoopElimination
+from compiled_engine.graphs.passes.onednn_linear import PackLinearWeights
 from compiled_engine.graphs.step_inputs import STEP_METADATA_TARGETS, StepInputs
 from compiled_engine.kernels import PAGED_ATTENTION_VERSION
 
@@ -252,8 +257,13 @@ def test_dce_keeps_in_place_calls_and_drops_dead_nodes() -> None:
 
 def test_pass_manager_version_covers_passes_and_op() -> None:
     manager = default_pass_manager("AnyModel", 2)
-    assert manager.version() == (
-        f"lower_sdpa=1;noop_elimination=1;dce=1;check_lowering=1;{PAGED_ATTENTION_VERSION}"
+    # Every pass in pipeline order (per-bucket ones marked), each with its source hash, then the op.
+    capture = [LowerSdpa, NoopElimination, DeadCodeElimination, CheckLowering]
+    per_bucket = [GemvLowering, PackLinearWeights, InlineAttention]
+    assert manager.version() == ";".join(
+        [f"{p.name}={p.version}" for p in capture]
+        + [f"bucket:{p.name}={p.version}" for p in per_bucket]
+        + [PAGED_ATTENTION_VERSION]
     )
     assert manager.uuid() == default_pass_manager("OtherModel", 4).uuid()  # model-independent
     bumped = LowerSdpa()

@@ -134,14 +134,14 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
 
 def test_recipes_rebuild_the_traced_constants(tmp_path, llama_dir):
     llm = _llm(llama_dir, tmp_path)
-    step = llm.engine.core.runner.compiled_step
+    step = llm.engine.model_runner.step_graph
     graph = step.traced.graph
     names = lifted_constant_names(graph)
     recipes = [recipe_of(graph, n) for n in names]
     assert all(r is not None for r in recipes)
     assert any(r["kind"] == "concat" for r in recipes)  # the fused q/k/v and gate/up weights
     tensors = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
-    model = llm.engine.core.runner.compiled_step.model
+    model = llm.engine.model_runner.step_graph.model
     for name, rebuilt in zip(names, build_constants(recipes, model), strict=True):
         assert torch.equal(rebuilt, tensors[name]), name
     # Frozen (not fused) weights are the model's own tensors, not copies.
@@ -152,13 +152,13 @@ def test_recipes_rebuild_the_traced_constants(tmp_path, llama_dir):
 
 def test_warm_start_loads_without_tracing_and_matches(tmp_path, llama_dir, caplog, monkeypatch):
     cold = _llm(llama_dir, tmp_path)
-    cold_step = cold.engine.core.runner.compiled_step
+    cold_step = cold.engine.model_runner.step_graph
     cold_step.compile_buckets()
     expected = _tokens(cold)
     assert cold_step.num_traces == 1
     assert {b.source for b in cold_step.builds.values()} == {"compiled"}
     assert all(b.saved for b in cold_step.builds.values())
-    entry = cold.engine.core.runner.cache_entry
+    entry = cold.engine.model_runner.step_graph.cache_entry
     assert sorted(entry.artifact_names()) == ["bucket-1", "bucket-2", "bucket-4", "dynamic"]
     assert json.loads((entry.dir / "manifest.json").read_text()) == entry.manifest
 
@@ -174,7 +174,7 @@ def test_warm_start_loads_without_tracing_and_matches(tmp_path, llama_dir, caplo
     torch._dynamo.utils.counters.clear()
     # Another KV-cache size (as a CUDA start sizes it from free memory) is the same entry.
     warm = _llm(llama_dir, tmp_path, num_kv_blocks=48)
-    warm_step = warm.engine.core.runner.compiled_step
+    warm_step = warm.engine.model_runner.step_graph
     assert _tokens(warm) == expected
     assert warm_step.num_traces == 0 and warm_step.traced is None
     assert {b.source for b in warm_step.builds.values()} == {"loaded"}
@@ -189,7 +189,7 @@ def test_warm_start_loads_without_tracing_and_matches(tmp_path, llama_dir, caplo
     with caplog.at_level(logging.WARNING):
         rebuilt = _llm(llama_dir, tmp_path)
     assert "bucket-2.artifact is unusable" in caplog.text
-    rebuilt_step = rebuilt.engine.core.runner.compiled_step
+    rebuilt_step = rebuilt.engine.model_runner.step_graph
     assert _tokens(rebuilt) == expected
     rebuilt_step.compile_buckets()
     assert len(inductor_compiles) == 1  # the counter above does count real compiles
@@ -200,10 +200,10 @@ def test_warm_start_loads_without_tracing_and_matches(tmp_path, llama_dir, caplo
 
 def test_other_options_miss_and_say_why(tmp_path, llama_dir, caplog):
     _llm(llama_dir, tmp_path)
-    with caplog.at_level(logging.INFO, logger="compiled_engine.worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="compiled_engine.graphs.step_graph"):
         other = _llm(llama_dir, tmp_path, fuse_linears=False)
     assert "engine.fuse_linears: 'True' -> 'False'" in caplog.text
-    assert other.engine.core.runner.compiled_step.num_traces == 1
+    assert other.engine.model_runner.step_graph.num_traces == 1
 
 
 def test_packed_linear_buckets_save_and_load(tmp_path, llama_dir, monkeypatch):
@@ -219,14 +219,16 @@ def test_packed_linear_buckets_save_and_load(tmp_path, llama_dir, monkeypatch):
     packed = GemvDecision((), packed_rows=BUCKETS, packs_dynamic=True)
     monkeypatch.setattr(CompiledStep, "gemv_decision", lambda step: packed)
     cold = _llm(llama_dir, tmp_path)
-    cold.engine.core.runner.compiled_step.compile_buckets()
-    cold_builds = cold.engine.core.runner.compiled_step.builds
+    cold.engine.model_runner.step_graph.compile_buckets()
+    cold_builds = cold.engine.model_runner.step_graph.builds
     assert all(b.variant.packed_linears and b.saved for b in cold_builds.values())
     expected = _tokens(cold)
 
     warm = _llm(llama_dir, tmp_path)
-    warm_step = warm.engine.core.runner.compiled_step
+    warm_step = warm.engine.model_runner.step_graph
     assert warm_step.num_traces == 0
     assert {b.source for b in warm_step.builds.values()} == {"loaded"}
     assert all(b.variant.packed_linears for b in warm_step.builds.values())
+    # A loaded bucket reports the passes its graph got when compiled (stored in the artifact header).
+    assert {b: r.passes for b, r in warm_step.builds.items()} == {b: r.passes for b, r in cold_builds.items()}
     assert _tokens(warm) == expected

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from compiled_engine.graphs.compiled_step import TracedStep
 from compiled_engine.graphs.passes.fuse_linears import LINEAR_TARGETS
+from compiled_engine.graphs.traced_step import TracedStep
 from compiled_engine.model_loader.loader import load_model
 
 BLOCK_SIZE = 16

@@ -55,7 +55,7 @@ def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears, packed, monkeyp
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     excused = compare_with_reference(outputs, _hf_reference(llama_dir, prompts))
-    compiled = llm.engine.core.runner.compiled_step
+    compiled = llm.engine.model_runner.step_graph
     print(
         f"llama compiled (fuse_linears={fuse_linears}): {excused} near-tie divergences excused; "
         f"compile s {compiled.compile_seconds}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_engine.graphs.bucket_compiler import BucketVariant
 from compiled_engine.graphs.capture import capture_model
 from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.passes.lower_sdpa import PAGED_ATTENTION_TARGETS
@@ -118,8 +119,8 @@ def test_decode_buckets_inline_the_attention_on_cpu(setup):
     # Buckets that can be decode batches (<= max_num_seqs = 6) run the fused maths; the rest the op.
     assert compiled.builds[1].variant.inline_attention and not compiled.builds[8].variant.inline_attention
     assert not compiled.builds[None].variant.inline_attention
-    graph, variant = compiled._bucket_graph(1)
-    assert variant.inline_attention
+    graph, passes = compiled.bucket_graph(1)
+    assert BucketVariant.from_report(passes).inline_attention
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     num_layers = len(compiled.kv_caches)
     assert targets.count(torch.ops.compiled_engine.kv_cache_write.default) == num_layers

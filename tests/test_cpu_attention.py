@@ -228,9 +228,9 @@ def test_engine_on_the_cpu_backend_matches_hf_greedy(llama_dir, hf_tokens, enfor
         num_kv_blocks=32,
         compile_buckets=(4, 16),
     )
-    runner = llm.engine.core.runner
+    runner = llm.engine.model_runner
     assert runner.attention_backend.name == "cpu"
-    pass_log = runner.captured.pass_log if enforce_eager else runner.compiled_step.traced.pass_log
+    pass_log = runner.step_graph.captured.pass_log if enforce_eager else runner.step_graph.traced.pass_log
     # Every graph's attention calls (2 layers) run the kernel: no bucket keeps the inline maths.
     assert [r.result("select_attention_backend").nodes_rewritten for r in pass_log] == [2] * len(pass_log)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -51,7 +51,8 @@ def steps(llama_dir):
     runtime = RecordingRuntime()
     buffers = InputBuffers(64, MAX_SEQS, 256, BLOCK_SIZE, torch.device("cpu"))
     graphed = CompiledStep(loaded.model, caches, buffers.whole(), BUCKETS, runtime=runtime)
-    graphs = graphed.capture_graphs()
+    graphed.capture_graphs()
+    graphs = graphed.decode_graphs.graphs
     plain_buffers = InputBuffers(64, MAX_SEQS, 256, BLOCK_SIZE, torch.device("cpu"))
     plain = CompiledStep(loaded.model, caches, plain_buffers.whole(), BUCKETS)
     return graphed, buffers, plain, plain_buffers, caches, runtime, graphs
@@ -114,7 +115,7 @@ def test_dummy_step_of_the_whole_budget_runs(llama_dir):
 
     llm = LLM(llama_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40,
               compile_buckets=[1, 2, 4], num_kv_blocks=8)  # fmt: skip
-    runner = llm.engine.core.runner
+    runner = llm.engine.model_runner
     runner.run_dummy_step(64)  # two sequences of 40 and 24 tokens, both in block 0
     assert runner.capture_graphs() == 0  # CPU: graphs hold no device memory
     runner.release_graphs()

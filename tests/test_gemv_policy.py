@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from compiled_engine.graphs import gemv_policy
-from compiled_engine.graphs.compiled_step import TracedStep
 from compiled_engine.graphs.gemv_policy import (
     GEMV_POLICY_VERSION,
     GemvDecision,
@@ -22,6 +21,7 @@ from compiled_engine.graphs.gemv_policy import (
     measure_gemv_rows,
 )
 from compiled_engine.graphs.passes.fuse_linears import LINEAR_TARGETS
+from compiled_engine.graphs.traced_step import TracedStep
 from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
 
 

@@ -11,17 +11,20 @@ import torch
 from torch import fx
 
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.graphs.bucket_compiler import bucket_graph
 from compiled_engine.graphs.capture import default_pass_manager
-from compiled_engine.graphs.compiled_step import TracedStep
+from compiled_engine.graphs.gemv_policy import GemvDecision
 from compiled_engine.graphs.graph_dump import (
     DUMP_DIR_ENV,
+    REPORT_FILE,
     DumpingPassManager,
     dump_dir_from_env,
     dump_graph,
     graph_id,
 )
-from compiled_engine.graphs.pass_manager import PassManager, PassResult
+from compiled_engine.graphs.pass_manager import BucketTarget, PassManager, PassResult
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
+from compiled_engine.graphs.traced_step import TracedStep
 from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
 
 
@@ -115,10 +118,10 @@ def test_engine_dumps_every_captured_graph_at_every_stage(llama_dir, tmp_path, m
     llm = LLM(llama_dir, dtype="float32", max_model_len=64, enforce_eager=True)
     llm.generate("def add(a, b):", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
 
-    captured = llm.engine.core.runner.captured
+    captured = llm.engine.model_runner.step_graph.captured
     # Any backend but torch adds the pass that points attention at its op (auto: cpu on CPU).
     passes = EAGER_PASSES
-    if llm.engine.core.runner.attention_backend.name != "torch":
+    if llm.engine.model_runner.attention_backend.name != "torch":
         passes = EAGER_PASSES + ["select_attention_backend"]
     graph_dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
     assert len(graph_dirs) == len(captured.graphs) >= 2  # at least prefill and decode
@@ -140,13 +143,29 @@ def test_compiled_path_dumps_its_fused_graph(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
     paged = PagedBatch()
     traced = TracedStep(make_model("llama"), paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM))
-    passes = ["lower_sdpa", "fuse_linears", "noop_elimination", "dce", "check_lowering"]
-    # FreezeParameters runs before the pass manager: the first dump already reads frozen weights.
-    assert [r.pass_name for r in traced.pass_log[0].results] == ["freeze_parameters", *passes]
+    passes = ["freeze_parameters", "lower_sdpa", "fuse_linears", "noop_elimination", "dce", "check_lowering"]
+    # freeze_parameters is the pipeline's first pass: the dump after it reads frozen weights.
+    assert [r.pass_name for r in traced.pass_log[0].results] == passes
     (graph_dir,) = tmp_path.iterdir()
     assert sorted(p.name for p in graph_dir.iterdir()) == _stage_files(passes)
-    assert "frozen_" in (graph_dir / "00-captured.py").read_text()
-    assert "fused_" in (graph_dir / "02-after-fuse_linears.py").read_text()
+    assert "frozen_" not in (graph_dir / "00-captured.py").read_text()
+    assert "frozen_" in (graph_dir / "01-after-freeze_parameters.py").read_text()
+    assert "fused_" in (graph_dir / "03-after-fuse_linears.py").read_text()
+
+    # A bucket's graph is dumped under the traced graph's folder, after each per-bucket pass.
+    lowered_and_inlined = BucketTarget(1, 4, "cpu", "torch", GemvDecision(lowered_rows=(1,)))
+    _, report = bucket_graph(traced, lowered_and_inlined)
+    assert [r.pass_name for r in report.results] == ["gemv_lowering", "inline_attention"]
+    bucket_dir = graph_dir / "bucket-1"
+    names = ["00-traced.py", "01-after-gemv_lowering.py", "02-after-inline_attention.py"]
+    assert sorted(p.name for p in bucket_dir.iterdir()) == [*names, REPORT_FILE]
+    assert "paged_attention_inline" not in (bucket_dir / names[1]).read_text()
+    assert "paged_attention_inline" in (bucket_dir / names[2]).read_text()
+    # And the bucket's pass report, with what each pass did.
+    assert (bucket_dir / REPORT_FILE).read_text() == report.summary()
+    assert f"gemv_lowering: {report.result('gemv_lowering').nodes_rewritten}" in report.summary()
+    # The traced graph's own dumps are untouched.
+    assert sorted(p.name for p in graph_dir.iterdir() if p.is_file()) == _stage_files(passes)
 
 
 def test_no_dumps_without_the_variable(monkeypatch) -> None:

@@ -569,7 +569,7 @@ def test_aborting_the_parent_aborts_every_sample(llm):
     assert not engine.has_unfinished_requests()
     assert engine.num_free_kv_blocks() == engine.num_kv_blocks
     assert not engine.output_processor.has_request("parent")
-    assert not engine.core.runner.request_states
+    assert not engine.model_runner.request_states
 
 
 def test_n_children_ids_cannot_collide(llm):
@@ -653,7 +653,7 @@ def test_async_equals_sync_with_penalties(sync_and_async, sampled):
     for llm in sync_and_async:
         stats = llm.stats()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
-        assert not llm.engine.core.runner.request_states
+        assert not llm.engine.model_runner.request_states
     assert sync.stats().num_preemptions > 0 or async_.stats().num_preemptions > 0
 
 

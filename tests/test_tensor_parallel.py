@@ -26,6 +26,7 @@ from compiled_engine.distributed.process_group import RendezvousAddress, TensorP
 from compiled_engine.distributed.workers import TensorParallelWorkerError
 from compiled_engine.errors import LoweringError, UnsupportedModelError
 from compiled_engine.graphs.capture import capture_model
+from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.passes.tensor_parallel import ALL_GATHER, ALL_REDUCE, ShardForTensorParallel
 from compiled_engine.model_loader.loader import load_model
 from tests.model_factory import make_tiny_model
@@ -249,7 +250,7 @@ def test_two_ranks_compiled_match_one_rank(model_dirs, arch):
 
     llm = LLM(model_dir, tensor_parallel_size=2, **ENGINE)
     try:
-        assert llm.engine.model_runner.compiled_step is not None  # compiled mode on rank 0
+        assert isinstance(llm.engine.model_runner.step_graph, CompiledStep)  # compiled mode on rank 0
         workers = _tp_workers()
         assert len(workers) == 1 and workers[0].is_alive()
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

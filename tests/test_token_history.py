@@ -62,7 +62,7 @@ def test_scheduler_runner_and_output_processor_read_one_history(llm):
     )
     processed, params = engine.validate(["import os"], params)[0]
     engine.add_request("parent", processed, params)
-    scheduler, runner, outputs = engine.core.scheduler, engine.core.runner, engine.output_processor
+    scheduler, runner, outputs = engine.core.scheduler, engine.model_runner, engine.output_processor
     children = outputs.child_ids("parent")
     histories = {child: scheduler._requests[child].history for child in children}
     assert histories[children[0]] is not histories[children[1]]
@@ -87,7 +87,7 @@ def test_scheduler_runner_and_output_processor_read_one_history(llm):
 def test_record_outputs_extends_a_replica_and_leaves_the_owners_history_alone(llm):
     """Rank 0's runner reads the scheduler's history; a tensor-parallel worker's runner holds the
     unpickled replica and takes each update's tokens through record_outputs."""
-    runner = llm.engine.core.runner
+    runner = llm.engine.model_runner
     penalised = SamplingParams(presence_penalty=0.5)
     owner = TokenHistory([1, 2])
     owner.append(4)

@@ -34,9 +34,9 @@ def test_triton_backend_matches_hf_greedy(llama_dir, hf_tokens, enforce_eager, m
         num_kv_blocks=32,
         compile_buckets=(4, 16),
     )
-    runner = llm.engine.core.runner
+    runner = llm.engine.model_runner
     assert runner.attention_backend.name == "triton"
-    pass_log = runner.captured.pass_log if enforce_eager else runner.compiled_step.traced.pass_log
+    pass_log = runner.step_graph.captured.pass_log if enforce_eager else runner.step_graph.traced.pass_log
     # Every graph's attention calls (2 layers) now run the Triton op.
     assert [r.result("select_attention_backend").nodes_rewritten for r in pass_log] == [2] * len(pass_log)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -23,7 +23,7 @@ def test_warmup_prints_a_table_and_a_later_start_is_warm(llama_dir, tmp_path, ca
     assert main(["warmup", "--model", llama_dir, "--cache-dir", str(tmp_path), *OPTIONS]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
-    header = ["bucket", "cache", "linears", "attention", "compile", "s", "load", "s", "saved"]
+    header = ["bucket", "cache", "linears", "attention", "passes", "compile", "s", "load", "s", "saved"]
     assert lines[1].split() == header
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"1", "2", "dynamic"}
@@ -36,17 +36,18 @@ def test_warmup_prints_a_table_and_a_later_start_is_warm(llama_dir, tmp_path, ca
     assert rows["1"][3] == rows["2"][3] == ("inline" if backend == "torch" else backend)
 
     # The same options in the API start warm: no trace, everything loaded.
-    step = _warm_llm(llama_dir, tmp_path).engine.core.runner.compiled_step
+    step = _warm_llm(llama_dir, tmp_path).engine.model_runner.step_graph
     assert step.num_traces == 0
     assert {b.source for b in step.builds.values()} == {"loaded"}
     # The table's linears column names the form each saved graph was built with.
     for bucket, label in ((1, "1"), (2, "2"), (None, "dynamic")):
         assert rows[label][2] == linears_label(step.builds[bucket].variant)
 
-    # Run again: every graph is a cache hit.
+    # Run again: every graph is a cache hit, and says which passes its graph got.
     assert main(["warmup", "--model", llama_dir, "--cache-dir", str(tmp_path), *OPTIONS]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()[2:]]
-    assert [row[1] for row in rows] == ["hit", "hit", "hit"]
+    hits = [line.split() for line in capsys.readouterr().out.strip().splitlines()[2:]]
+    assert [row[1] for row in hits] == ["hit", "hit", "hit"]
+    assert {row[0]: row[4] for row in hits} == {label: row[4] for label, row in rows.items()}
 
 
 def test_warmup_bad_option_is_a_clear_error(llama_dir, tmp_path, capsys):
@@ -72,7 +73,7 @@ def test_two_concurrent_warmups_of_one_key_are_both_fine(llama_dir, tmp_path):
     assert len(entries) == 1
     assert not [p for p in entries[0].iterdir() if p.name.startswith(".")]  # no temporary files left
     llm = _warm_llm(llama_dir, tmp_path)
-    assert llm.engine.core.runner.compiled_step.num_traces == 0
+    assert llm.engine.model_runner.step_graph.num_traces == 0
     out = llm.generate(
         [{"prompt_token_ids": [4, 5, 6]}], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False
     )

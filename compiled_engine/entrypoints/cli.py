@@ -57,8 +57,8 @@ def _warmup(args: argparse.Namespace) -> int:
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     runner = llm.engine.model_runner
-    rows = warm_up_buckets(runner.compiled_step)
-    print(f"compile cache entry: {runner.cache_entry.dir}")
+    rows = warm_up_buckets(runner.step_graph)
+    print(f"compile cache entry: {runner.step_graph.cache_entry.dir}")
     print(format_table(rows))
     return 0
 

@@ -1,5 +1,8 @@
 """`compiled-engine warmup`: build every bucket's compiled graph into the compile cache now.
 
+The table it prints has a row per graph, with the per-bucket passes its graph got (read from
+the artifact's header when it was loaded from the cache).
+
 A later `LLM(...)` (or `compiled-engine generate`) with the same options then starts warm: it
 loads the graphs instead of tracing and compiling (graphs/compile_cache.py).
 """
@@ -11,7 +14,9 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from compiled_engine.graphs.compiled_step import BucketBuild, BucketVariant, CompiledStep
+from compiled_engine.graphs.bucket_compiler import BucketBuild, BucketVariant
+from compiled_engine.graphs.pass_manager import PassReport
+from compiled_engine.graphs.step_graph import StepGraph
 
 
 @dataclass(frozen=True)
@@ -22,7 +27,7 @@ class WarmupRow:
     attention: str
 
 
-def warm_up_buckets(step: CompiledStep, show_progress: bool = True) -> list[WarmupRow]:
+def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupRow]:
     """Build (load or compile) every graph the step can run, with a progress bar."""
     buckets = step.all_buckets()
     with tqdm(total=len(buckets), desc="Building graphs", unit="graph", disable=not show_progress) as bar:
@@ -48,9 +53,15 @@ def linears_label(variant: BucketVariant) -> str:
     return "gemv" if variant.gemv else "onednn" if variant.packed_linears else "torch"
 
 
+def passes_label(passes: PassReport) -> str:
+    """The per-bucket passes a graph got, each with the nodes it rewrote: `name:nodes,...` or `-`."""
+    return ",".join(f"{r.pass_name}:{r.nodes_rewritten}" for r in passes.results) or "-"
+
+
 def format_table(rows: Sequence[WarmupRow]) -> str:
-    """One line per graph: bucket, cache hit or miss, its rewrites, seconds to compile or load, saved."""
-    header = ("bucket", "cache", "linears", "attention", "compile s", "load s", "saved")
+    """One line per graph: bucket, cache hit or miss, its rewrites (summed up, then each
+    per-bucket pass's result), seconds to compile or load, saved."""
+    header = ("bucket", "cache", "linears", "attention", "passes", "compile s", "load s", "saved")
     lines = [header]
     for row in rows:
         build = row.build
@@ -61,6 +72,7 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
                 "hit" if hit else "miss",
                 linears_label(build.variant),
                 row.attention,
+                passes_label(build.passes),
                 "-" if hit else f"{build.seconds:.2f}",
                 f"{build.seconds:.2f}" if hit else "-",
                 "yes" if build.saved else "no",

@@ -6,24 +6,17 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.distributed.layout import TensorParallelLayout
-from compiled_engine.graphs.capture import CapturedModel, capture_model
-from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache, use_inductor_cache_in
-from compiled_engine.graphs.compile_manifest import GraphOptions, build_manifest
-from compiled_engine.graphs.compiled_step import (
-    MIN_BUFFER_BLOCKS,
-    MIN_BUFFER_SEQS,
-    CompiledStep,
-    step_component_versions,
-)
-from compiled_engine.graphs.device import Event, runtime_for
-from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.graphs.compile_cache import CompileCache, use_inductor_cache_in
+from compiled_engine.graphs.device import Event
+from compiled_engine.graphs.step_graph import StepGraph, build_step_graph
+from compiled_engine.graphs.traced_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS
 from compiled_engine.kernels.backends import resolve_attention_backend
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner import RunnerTimeline
@@ -89,58 +82,29 @@ class ModelRunner:
         # Resolved first: an unavailable backend is a clear error before anything is built.
         self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         self.kv_caches = kv_caches
-        buffer_seqs, buffer_len = config.max_num_seqs, config.max_model_len
-        if not config.enforce_eager:
-            # Padding room the compiled graphs need (graphs/compiled_step.py); unused otherwise.
-            buffer_seqs = max(buffer_seqs, MIN_BUFFER_SEQS)
-            buffer_len = max(buffer_len, MIN_BUFFER_BLOCKS * config.block_size)
+        # Padding room the compiled graphs need (graphs/traced_step.py); unused by the eager path.
+        buffer_seqs = max(config.max_num_seqs, MIN_BUFFER_SEQS)
+        buffer_len = max(config.max_model_len, MIN_BUFFER_BLOCKS * config.block_size)
         self.buffers = InputBuffers(
             config.max_num_batched_tokens, buffer_seqs, buffer_len, config.block_size, device
         )
-        # Eager: the lowered graphs run as they are, through Dynamo's frame (guards every step).
-        # Compiled: Inductor graphs per token-count bucket, called directly (graphs/compiled_step.py),
-        # with sibling linears fused when `fuse_linears` (the eager path never fuses: its graphs
-        # are for debugging and stay one-to-one with the model's modules).
-        self.captured: CapturedModel | None = None
-        self.cache_entry: CacheEntry | None = None
-        self.compiled_step: CompiledStep | None = None
-        self.run_graph: Callable[[StepInputs], torch.Tensor]
-        if config.enforce_eager:
-            self.captured = self.run_graph = capture_model(
-                model, kv_caches, attention_backend=self.attention_backend, tensor_parallel=tensor_parallel
-            )
-        else:
-            buckets = config.compile_buckets
-            options = GraphOptions(
-                dtype=kv_caches[0].dtype,
-                block_size=config.block_size,
-                buckets=buckets,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
-                kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
-                fuse_linears=config.fuse_linears,
-                attention_backend=self.attention_backend.name,
-                tensor_parallel=(
-                    f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"
-                ),
-            )
-            versions = step_component_versions(config.fuse_linears, self.attention_backend, tensor_parallel)
-            manifest = build_manifest(model, options, device, versions)
-            self.cache_entry = cache.entry(manifest)
-            if not self.cache_entry.exists():
-                logger.info("%s", self.cache_entry.explain_miss())
-            self.compiled_step = CompiledStep(
-                model,
-                kv_caches,
-                self.buffers.whole(),
-                buckets,
-                fuse_linears=config.fuse_linears,
-                cache=self.cache_entry,
-                attention_backend=self.attention_backend,
-                tensor_parallel=tensor_parallel,
-            )
-            self.run_graph = self.compiled_step
+        # Compiled Inductor graphs per token-count bucket, or (enforce_eager) the lowered graphs
+        # through Dynamo's frame: one protocol either way (graphs/step_graph.py).
+        self.step_graph: StepGraph = build_step_graph(
+            model,
+            kv_caches,
+            self.buffers.whole(),
+            enforce_eager=config.enforce_eager,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            compile_buckets=config.compile_buckets,
+            fuse_linears=config.fuse_linears,
+            cache=cache,
+            attention_backend=self.attention_backend,
+            tensor_parallel=tensor_parallel,
+            device=device,
+        )
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
         self.generator = torch.Generator(device=device)
@@ -148,8 +112,7 @@ class ModelRunner:
         # Steps run on an execution stream (worker/execution_stream.py): inline for the
         # synchronous loop, a CPU worker or a CUDA stream for the async one. Two staging slots
         # let the host fill step N+1's while step N still reads its own.
-        runtime = self.compiled_step.runtime if self.compiled_step is not None else runtime_for(device)
-        self.stream = stream_for(runtime, config.async_scheduling)
+        self.stream = stream_for(self.step_graph.runtime, config.async_scheduling)
         weakref.finalize(self, self.stream.close)  # the CPU worker thread ends with the runner
         # Requests whose sampling needs their history (penalties, min_tokens, prompt logprobs):
         # registered by the engine core, passed to a slot each time it stages a step.
@@ -191,23 +154,18 @@ class ModelRunner:
     @property
     def supports_graphs(self) -> bool:
         """Whether decode graphs are worth capturing: compiled mode on a device with graphs (CUDA)."""
-        return self.compiled_step is not None and self.compiled_step.runtime.supports_graphs
+        return self.step_graph.supports_graphs
 
     def capture_graphs(self) -> int:
         """Capture the decode graphs (compiled mode); returns the bytes they hold on the device."""
-        if self.compiled_step is None:
-            return 0
-        return self.compiled_step.capture_graphs().memory_bytes
+        return self.step_graph.capture_graphs()
 
     def release_graphs(self) -> None:
-        if self.compiled_step is not None:
-            self.compiled_step.decode_graphs.release()
+        self.step_graph.release_graphs()
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Run on other KV-cache tensors of the same layout (compiled mode only)."""
-        if self.compiled_step is None:
-            raise RuntimeError("the eager path keeps the KV caches it was captured with")
-        self.compiled_step.set_kv_caches(kv_caches)
+        self.step_graph.set_kv_caches(kv_caches)
         self.kv_caches = kv_caches
 
     def warm_up(self) -> None:
@@ -269,7 +227,7 @@ class ModelRunner:
             began = time.perf_counter()
             inputs = self.buffers.load(slot, staged, previous_samples and previous_samples.tokens)
             # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
-            logits = self.run_graph(inputs)
+            logits = self.step_graph(inputs)
             k = len(sampled)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)

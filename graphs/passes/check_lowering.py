@@ -21,6 +21,7 @@ from compiled_engine.graphs.passes.lower_sdpa import (
     SDPA_TARGETS,
     UNLOWERED_REASON_META,
 )
+from compiled_engine.kernels.source_version import source_version
 
 _FUSED_ATTENTION_OP_NAMES = (
     "_scaled_dot_product_flash_attention",
@@ -173,7 +174,7 @@ class CheckLowering:
     """Raises LoweringError unless every attention in the graph is the paged-attention op."""
 
     name = "check_lowering"
-    version = "1"
+    version = source_version(__name__, "compiled_engine.graphs.passes.lower_sdpa")
 
     def __init__(self, model_class_name: str, expected_attention_layers: int | None = None) -> None:
         self.model_class_name = model_class_name

@@ -19,6 +19,7 @@ from torch import fx
 
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.step_inputs import STEP_METADATA_TARGETS
+from compiled_engine.kernels.source_version import source_version
 
 
 def _is_in_place(node: fx.Node) -> bool:
@@ -36,7 +37,7 @@ def _is_impure(node: fx.Node) -> bool:
 
 class DeadCodeElimination:
     name = "dce"
-    version = "1"
+    version = source_version(__name__, "compiled_engine.graphs.step_inputs")
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         graph = gm.graph

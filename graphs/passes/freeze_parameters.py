@@ -15,9 +15,10 @@ whose Dynamo source reads a module's `_parameters`/`_buffers`. A
 weight the graph mutates in place, or whose shape is symbolic, stays an input too: a
 constant must not change between calls.
 
-The graph then takes fewer inputs. `kept_input_indices` (set by the call) lists, in order,
-the positions of the inputs the graph still takes; compile it with
-`kept_example_inputs(example_inputs, kept_input_indices)` and return
+The graph then takes fewer inputs. `kept_input_indices` (set by the call, and recorded on the
+graph: `kept_input_indices(gm, len(example_inputs))` reads it back, for callers that ran the pass
+through a pass manager) lists, in order, the positions of the inputs the graph still takes;
+compile it with `kept_example_inputs(example_inputs, kept_input_indices)` and return
 `frozen_callable(compiled, kept_input_indices, len(example_inputs))` to Dynamo.
 
 Caveat: a frozen graph reads the weight tensors it was built with. Updating a weight in place
@@ -38,9 +39,12 @@ from torch._guards import Source
 
 from compiled_engine.graphs.constant_recipes import model_recipe, record_recipe
 from compiled_engine.graphs.pass_manager import PassResult
+from compiled_engine.kernels.source_version import source_version
 
 # Prefix of the GraphModule attributes this pass creates.
 FROZEN_ATTRIBUTE_PREFIX = "frozen_"
+# gm.meta key: the positions of the example inputs the frozen graph still takes.
+KEPT_INPUTS_META = "compiled_engine_kept_inputs"
 
 _DYNAMO_MODULE_STATE = "unguarded"
 # How Dynamo spells an input read from a module's parameters or buffers, e.g.
@@ -160,7 +164,7 @@ class FreezeParameters:
     """
 
     name = "freeze_parameters"
-    version = "1"
+    version = source_version(__name__, "compiled_engine.graphs.constant_recipes")
 
     def __init__(self, example_inputs: Sequence[Any]) -> None:
         self.example_inputs = list(example_inputs)
@@ -206,8 +210,14 @@ class FreezeParameters:
             graph.erase_node(node)
             frozen += 1
         self.kept_input_indices = tuple(kept)
+        gm.meta[KEPT_INPUTS_META] = self.kept_input_indices
         notes.insert(0, f"froze {frozen} weight input(s), kept {len(kept)} input(s)")
         return PassResult(self.name, frozen, tuple(notes))
+
+
+def kept_input_indices(gm: fx.GraphModule, num_inputs: int) -> tuple[int, ...]:
+    """The inputs `gm` still takes after freezing (all `num_inputs` if it was not frozen)."""
+    return gm.meta.get(KEPT_INPUTS_META, tuple(range(num_inputs)))
 
 
 def kept_example_inputs(example_inputs: Sequence[Any], kept_input_indices: Sequence[int]) -> list[Any]:

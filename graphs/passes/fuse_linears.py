@@ -40,6 +40,7 @@ from compiled_engine.graphs.constant_recipes import concat_recipe, recipe_of, re
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import fake_evaluation
 from compiled_engine.graphs.passes.freeze_parameters import register_constant
+from compiled_engine.kernels.source_version import source_version
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.ops.aten.linear, torch.ops.aten.linear.default)
 
@@ -188,7 +189,12 @@ class FuseLinears:
     """Sibling linears with constant weights over one input become one linear plus a split."""
 
     name = "fuse_linears"
-    version = "1"
+    version = source_version(
+        __name__,
+        "compiled_engine.graphs.constant_recipes",
+        "compiled_engine.graphs.passes.fake_values",
+        "compiled_engine.graphs.passes.freeze_parameters",
+    )
 
     def __init__(self, weight_cache: FusedWeightCache | None = None) -> None:
         self.weight_cache = weight_cache if weight_cache is not None else FusedWeightCache()

@@ -45,6 +45,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import fake_evaluation
 from compiled_engine.graphs.passes.fuse_linears import linear_nodes
+from compiled_engine.kernels.source_version import source_version
 
 
 def _static_rows(x: fx.Node) -> int | None:
@@ -92,7 +93,9 @@ class GemvLowering:
     """Linears over at most `max_rows` rows become `(x.unsqueeze(-2) * w).sum(-1) (+ b)`."""
 
     name = "gemv_lowering"
-    version = "1"
+    version = source_version(
+        __name__, "compiled_engine.graphs.passes.fake_values", "compiled_engine.graphs.passes.fuse_linears"
+    )
 
     def __init__(self, max_rows: int, rows_hint: int | None = None) -> None:
         if max_rows < 1:

@@ -19,7 +19,7 @@ makes the read see the written cache.
 
 Only for graphs that go to Inductor with static token counts (a bucket): eagerly, or over a
 large prefill, the unfused maths would materialise [T, context, heads, dim] tensors.
-The caller picks the buckets (graphs/compiled_step.py).
+graphs/pass_pipeline.py picks the buckets (its `inlines_attention` predicate).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import fx
 import compiled_engine.kernels.inline_attention  # noqa: F401  (registers both ops)
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.lower_sdpa import PAGED_ATTENTION_TARGETS
+from compiled_engine.kernels.source_version import source_version
 
 _OP_PARAMS = (
     "query",
@@ -63,7 +64,9 @@ class InlineAttention:
     """Every paged-attention op node becomes kv_cache_write + inline attention maths."""
 
     name = "inline_attention"
-    version = "1"
+    version = source_version(
+        __name__, "compiled_engine.graphs.passes.lower_sdpa", "compiled_engine.kernels.inline_attention"
+    )
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         graph = gm.graph

@@ -35,6 +35,7 @@ import compiled_engine.kernels  # noqa: F401  (registers torch.ops.compiled_engi
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import set_fake_value
 from compiled_engine.graphs.step_inputs import STEP_METADATA_TARGETS
+from compiled_engine.kernels.source_version import source_version
 
 SDPA_TARGETS = (
     torch._C._nn.scaled_dot_product_attention,  # also torch.nn.functional.scaled_dot_product_attention
@@ -150,7 +151,9 @@ def _find_step_metadata(graph: fx.Graph) -> fx.Node | None:
 
 class LowerSdpa:
     name = "lower_sdpa"
-    version = "1"
+    version = source_version(
+        __name__, "compiled_engine.graphs.passes.fake_values", "compiled_engine.graphs.step_inputs"
+    )
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         graph = gm.graph

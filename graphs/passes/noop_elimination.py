@@ -39,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.freeze_parameters import mutated_arguments
+from compiled_engine.kernels.source_version import source_version
 
 _CAST_METHODS = {
     "float": torch.float32,
@@ -233,7 +234,7 @@ class NoopElimination:
     """Drops identity casts, same-shape views, `x * 1`-style arithmetic and unneeded clones."""
 
     name = "noop_elimination"
-    version = "1"
+    version = source_version(__name__, "compiled_engine.graphs.passes.freeze_parameters")
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         graph = gm.graph

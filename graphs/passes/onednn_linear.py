@@ -22,17 +22,22 @@ from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import set_fake_value
 from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_nodes
 from compiled_engine.kernels.onednn_linear import (
-    ONEDNN_LINEAR_VERSION,
     onednn_linear,
     onednn_linear_available,
 )
+from compiled_engine.kernels.source_version import source_version
 
 
 class PackLinearWeights:
     """Constant-weight linears become `onednn_linear(x, weight, bias)`."""
 
     name = "pack_linear_weights"
-    version = f"1;op={ONEDNN_LINEAR_VERSION}"
+    version = source_version(
+        __name__,
+        "compiled_engine.graphs.passes.fake_values",
+        "compiled_engine.graphs.passes.fuse_linears",
+        "compiled_engine.kernels.onednn_linear",
+    )
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         graph = gm.graph

@@ -14,6 +14,7 @@ from torch import fx
 
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.kernels.backends import AttentionBackend
+from compiled_engine.kernels.source_version import source_version
 
 
 def _reference_targets() -> tuple:
@@ -29,7 +30,7 @@ class SelectAttentionBackend:
 
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
-        self.version = f"1+{backend.name}:{backend.version}"
+        self.version = f"{source_version(__name__)}+{backend.name}:{backend.version}"
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         if self.backend.name == "torch":

@@ -23,7 +23,6 @@ from torch import fx
 
 import compiled_engine.kernels  # noqa: F401  (registers the collective ops)
 from compiled_engine.distributed.layout import (
-    LAYOUT_VERSION,
     ROWWISE,
     VOCAB_EMBEDDING,
     VOCAB_HEAD,
@@ -33,7 +32,7 @@ from compiled_engine.errors import LoweringError
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fake_values import set_fake_value
 from compiled_engine.graphs.passes.fuse_linears import linear_operands
-from compiled_engine.kernels.collectives import COLLECTIVES_VERSION
+from compiled_engine.kernels.source_version import source_version
 
 ALL_REDUCE = torch.ops.compiled_engine.tp_all_reduce.default
 ALL_GATHER = torch.ops.compiled_engine.tp_all_gather.default
@@ -57,7 +56,13 @@ def module_path(node: fx.Node) -> str | None:
 
 class ShardForTensorParallel:
     name = "tensor_parallel"
-    version = f"1;layout={LAYOUT_VERSION};collectives={COLLECTIVES_VERSION}"
+    version = source_version(
+        __name__,
+        "compiled_engine.graphs.passes.fake_values",
+        "compiled_engine.graphs.passes.fuse_linears",
+        "compiled_engine.distributed.layout",
+        "compiled_engine.kernels.collectives",
+    )
 
     def __init__(self, layout: TensorParallelLayout) -> None:
         self.layout = layout

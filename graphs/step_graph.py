@@ -1,0 +1,168 @@
+"""The one step protocol the model runner sees, its two implementations, and the factory.
+
+`StepGraph`: `__call__(StepInputs) -> logits`, the device `runtime`, decode-graph capture and
+release, a KV-cache swap, and what `compiled-engine warmup` reads (buckets, builds, the
+cache entry). Two implementations:
+
+- `CompiledStep` (graphs/compiled_step.py, the default): Inductor graphs per token-count
+  bucket, called directly, cached on disk, decode graphs captured on CUDA;
+- `EagerStepGraph` (`enforce_eager=True`): the lowered graphs run as they are, through
+  Dynamo's frame (guards every step). Never fused: its graphs are for debugging and stay
+  one-to-one with the model's modules. No buckets, no cache, no decode graphs; it keeps the
+  KV caches it was captured with.
+
+`build_step_graph(...)` builds the right one from the options, once; the runner never asks
+which it got.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from compiled_engine.distributed.layout import TensorParallelLayout
+from compiled_engine.graphs.bucket_compiler import BucketBuild
+from compiled_engine.graphs.buckets import default_buckets
+from compiled_engine.graphs.capture import CapturedModel, capture_model
+from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache
+from compiled_engine.graphs.compile_manifest import GraphOptions, build_manifest
+from compiled_engine.graphs.compiled_step import CompiledStep, step_component_versions
+from compiled_engine.graphs.device import DeviceRuntime, runtime_for
+from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.kernels.backends import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+
+class StepGraph(Protocol):
+    """A model's forward step as the runner calls it."""
+
+    runtime: DeviceRuntime
+    attention_backend: AttentionBackend | None
+    cache_entry: CacheEntry | None  # the compile-cache entry its graphs live in, if any
+    builds: dict[int | None, BucketBuild]  # how each bucket graph was obtained so far
+
+    def __call__(self, inputs: StepInputs) -> torch.Tensor: ...
+
+    @property
+    def supports_graphs(self) -> bool:
+        """Whether decode graphs are worth capturing (compiled graphs on a device with graphs)."""
+        ...
+
+    def capture_graphs(self) -> int:
+        """Capture the decode graphs; returns the bytes they hold on the device."""
+        ...
+
+    def release_graphs(self) -> None: ...
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Run on other KV-cache tensors of the same layout."""
+        ...
+
+    def all_buckets(self) -> list[int | None]:
+        """Every bucket graph it can run (None: the dynamic graph)."""
+        ...
+
+    def compile_buckets(self, buckets: Sequence[int | None] | None = None) -> None:
+        """Build (load or compile) these bucket graphs now; default all."""
+        ...
+
+
+class EagerStepGraph:
+    """The captured graphs run through Dynamo's frame, as lowered (enforce_eager=True)."""
+
+    cache_entry: CacheEntry | None = None
+    supports_graphs = False
+
+    def __init__(self, captured: CapturedModel, runtime: DeviceRuntime, attention_backend: AttentionBackend):
+        self.captured = captured
+        self.runtime = runtime
+        self.attention_backend: AttentionBackend | None = attention_backend
+        self.builds: dict[int | None, BucketBuild] = {}
+
+    def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        return self.captured(inputs)
+
+    def capture_graphs(self) -> int:
+        return 0
+
+    def release_graphs(self) -> None:
+        pass
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        raise RuntimeError("the eager path keeps the KV caches it was captured with")
+
+    def all_buckets(self) -> list[int | None]:
+        return []
+
+    def compile_buckets(self, buckets: Sequence[int | None] | None = None) -> None:
+        if buckets:
+            raise ValueError("the eager path has no bucket graphs")
+
+
+def build_step_graph(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    buffers: StepInputs,
+    *,
+    enforce_eager: bool,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    compile_buckets: Sequence[int] | None,
+    fuse_linears: bool,
+    cache: CompileCache | None,
+    attention_backend: AttentionBackend,
+    tensor_parallel: TensorParallelLayout | None,
+    device: torch.device,
+) -> StepGraph:
+    """The step graph the options ask for.
+
+    `buffers`: the runner's whole persistent step buffers (worker/input_buffers.py), with the
+    room graphs/traced_step.py's `check_buffer_room` asks for. `compile_buckets`: the token-count
+    buckets (default graphs/buckets.py's `default_buckets`). `cache`: where compiled graphs are
+    kept (None: compiled in memory only). `attention_backend`: resolved (kernels/backends.py).
+    """
+    if enforce_eager:
+        captured = capture_model(
+            model, kv_caches, attention_backend=attention_backend, tensor_parallel=tensor_parallel
+        )
+        return EagerStepGraph(captured, runtime_for(device), attention_backend)
+    buckets = tuple(
+        compile_buckets
+        if compile_buckets is not None
+        else default_buckets(max_num_batched_tokens, max_num_seqs)
+    )
+    entry = None
+    if cache is not None:
+        options = GraphOptions(
+            dtype=kv_caches[0].dtype,
+            block_size=block_size,
+            buckets=buckets,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
+            kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
+            fuse_linears=fuse_linears,
+            attention_backend=attention_backend.name,
+            tensor_parallel=(
+                f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"
+            ),
+        )
+        versions = step_component_versions(fuse_linears, attention_backend, tensor_parallel)
+        entry = cache.entry(build_manifest(model, options, device, versions))
+        if not entry.exists():
+            logger.info("%s", entry.explain_miss())
+    return CompiledStep(
+        model,
+        kv_caches,
+        buffers,
+        buckets,
+        fuse_linears=fuse_linears,
+        cache=entry,
+        attention_backend=attention_backend,
+        tensor_parallel=tensor_parallel,
+    )
