@@ -245,7 +245,7 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls: type[_Args], namespace: argparse.Namespace) -> _Args:
         """The dataclass from parsed flags (fields without a flag in that parser keep their default)."""
-        values = {}
+        values: dict[str, Any] = {}  # argparse's values, each converted by its field's flag
         for f in dataclasses.fields(cls):
             if hasattr(namespace, f.name):
                 value = getattr(namespace, f.name)

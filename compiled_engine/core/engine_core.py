@@ -161,14 +161,14 @@ class EngineCore(Generic[LaunchedT]):
         attached = []
         for out in outputs:
             self.runner.record_outputs(out.request_id, out.new_token_ids)
-            extra = {}
-            if logprobs.get(out.request_id) is not None:
-                extra["new_logprobs"] = (logprobs[out.request_id],)
+            token_logprobs = logprobs.get(out.request_id)
+            if token_logprobs is not None:
+                out = dataclasses.replace(out, new_logprobs=(token_logprobs,))
             if out.request_id in self._prompt_logprobs:
-                extra["prompt_logprobs"] = self._complete_prompt_logprobs(out.request_id)
+                out = dataclasses.replace(out, prompt_logprobs=self._complete_prompt_logprobs(out.request_id))
             if out.finished:
                 self._forget(out.request_id)
-            attached.append(dataclasses.replace(out, **extra) if extra else out)
+            attached.append(out)
         return attached
 
     def _complete_prompt_logprobs(self, request_id: str) -> tuple[TokenLogprobs | None, ...]:

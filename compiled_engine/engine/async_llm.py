@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -165,7 +165,7 @@ class RequestStream:
 
     async def outputs(
         self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs until the request finishes. Leaving early (break, cancel) aborts it."""
         sent: dict[int, tuple[int, int, bool]] = {}  # index -> (tokens, chars, finished) given out
         try:
@@ -350,7 +350,7 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs (cumulative by default). Stopping the iteration early, or
         cancelling the task iterating, aborts the request and frees its KV blocks."""
         stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, sampling_params)

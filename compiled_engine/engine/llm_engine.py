@@ -19,7 +19,7 @@ from compiled_engine.distributed.broadcasting_runner import BroadcastingRunner
 from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.runtime import TensorParallelRuntime
 from compiled_engine.distributed.worker_main import serve_runner
-from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt
+from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt, ValidatedPrompt
 from compiled_engine.engine.kv_cache_sizing import (
     KVCacheLayout,
     blocks_for_budget,
@@ -67,7 +67,7 @@ class LLMEngine:
             raise
         if self.tensor_parallel is not None:
             # Ends the workers when the engine is collected or the process exits.
-            self._finalizer = weakref.finalize(self, self.tensor_parallel.close)
+            self._finalizer: weakref.finalize[[], None] = weakref.finalize(self, self.tensor_parallel.close)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (if any) and leave their process group."""
@@ -252,7 +252,7 @@ class LLMEngine:
         self._next_id += 1
         return rid
 
-    def validate(self, prompts, sampling_params) -> list[tuple[ProcessedPrompt, SamplingParams]]:
+    def validate(self, prompts, sampling_params) -> list[ValidatedPrompt]:
         """Validate every prompt before anything is queued (raises InvalidRequestError)."""
         return self.input_processor.validate_batch(prompts, sampling_params)
 

@@ -173,6 +173,8 @@ class OutputProcessor:
                 # the string wins (it is what the user sees).
                 finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
         if state.logprobs is not None and out.new_logprobs is not None:
+            # _new_state sets both together when the request asks for logprobs.
+            assert state.cumulative_logprob is not None
             for record in out.new_logprobs:
                 state.logprobs.append(self._logprob_dict(record))
                 state.cumulative_logprob += record.logprob

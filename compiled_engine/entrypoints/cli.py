@@ -78,6 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     for out in llm.generate(args.prompts, params, use_tqdm=False):
+        assert out.prompt is not None  # the prompts are command-line strings, never token ids
         for completion in out.outputs:
             print(out.prompt + completion.text)
             for token_id, entry in zip(completion.token_ids, completion.logprobs or (), strict=False):

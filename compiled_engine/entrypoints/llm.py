@@ -75,9 +75,9 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
             seed=seed,
-            device=device,
+            device=None if device is None else str(device),  # EngineArgs keeps devices as strings
             enforce_eager=enforce_eager,
-            compile_buckets=compile_buckets,
+            compile_buckets=None if compile_buckets is None else tuple(compile_buckets),
             fuse_linears=fuse_linears,
             cache_dir=cache_dir,
             async_scheduling=async_scheduling,

@@ -43,7 +43,10 @@ class ConvertedGroup:
         """Run transformers' converter over the group's tensors: model name -> tensor."""
         converter = copy.deepcopy(self.converter)
         for checkpoint_name, pattern in self.sources:
-            converter.add_tensor(self.first_target, checkpoint_name, pattern, tensors[checkpoint_name])
+            # transformers annotates the value as a Future (its loader's), but materialises plain
+            # tensors as well.
+            tensor = tensors[checkpoint_name]
+            converter.add_tensor(self.first_target, checkpoint_name, pattern, tensor)  # type: ignore[arg-type]
         produced = converter.convert(self.first_target, model=model, config=model.config)
         return {name: value[0] if isinstance(value, list) else value for name, value in produced.items()}
 

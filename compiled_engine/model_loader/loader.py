@@ -26,6 +26,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import safetensors
 import torch
@@ -101,7 +102,9 @@ def load_model(
             if style == VOCAB_EMBEDDING:
                 # Ids are shifted into this rank's rows by the graph; padding_idx (a training
                 # detail) would name a row of the whole table.
-                model.get_submodule(path).padding_idx = None
+                # torch annotates Module.__setattr__ for tensors and modules only, though it sets
+                # any attribute.
+                model.get_submodule(path).padding_idx = None  # type: ignore[assignment]
     model.eval()
     return LoadedModel(
         model=model,
@@ -152,7 +155,9 @@ def _causal_lm_class(hf_config, model_dir: Path) -> type[PreTrainedModel]:
             f"model_type {hf_config.model_type!r} in {model_dir / 'config.json'} has no causal-LM "
             f"class in transformers {transformers.__version__}"
         )
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    # transformers annotates every lazy auto mapping's values as the tokenizer mapping's (slow, fast)
+    # pair; this model mapping holds one class per config.
+    model_class = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)])
     # Any other architecture name transformers lacks means custom code we will not run
     # (no trust_remote_code), not something to load silently as model_class.
     for name in getattr(hf_config, "architectures", None) or ():
@@ -196,6 +201,13 @@ def _owned_non_persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[torc
                 yield module, buffer_name, f"{module_name}.{buffer_name}" if module_name else buffer_name
 
 
+def _owned_buffer(module: torch.nn.Module, buffer_name: str) -> torch.Tensor:
+    buffer = module._buffers[buffer_name]
+    # _owned_non_persistent_buffers yields only set buffers, and only tensors replace them.
+    assert buffer is not None, f"buffer {buffer_name!r} was removed"
+    return buffer
+
+
 def _materialise_non_persistent_buffers(
     model: PreTrainedModel, device: torch.device, model_dir: Path
 ) -> None:
@@ -203,7 +215,7 @@ def _materialise_non_persistent_buffers(
 
     def fill_and_recompute(fill_value: int) -> list[torch.Tensor]:
         for module, buffer_name, _ in owned:
-            meta_buffer = module._buffers[buffer_name]
+            meta_buffer = _owned_buffer(module, buffer_name)
             module._buffers[buffer_name] = torch.full_like(meta_buffer, fill_value, device=device)
         # The model's own initialiser is what recomputes these in transformers' from_pretrained, run
         # over every module as there (a parent may fill its children's buffers: FalconH1's MuP
@@ -212,7 +224,7 @@ def _materialise_non_persistent_buffers(
             # It marks each module it ran on and then skips it: clear the mark to run it again.
             module.__dict__.pop("_is_hf_initialized", None)
         model.initialize_weights()
-        return [module._buffers[buffer_name].clone() for module, buffer_name, _ in owned]
+        return [_owned_buffer(module, buffer_name).clone() for module, buffer_name, _ in owned]
 
     try:
         after_zeros = fill_and_recompute(0)
@@ -416,13 +428,13 @@ def _assign_weights(
             value = torch.zeros_like(value)
         param = torch.nn.Parameter(value, requires_grad=False)
         for name in group:
-            _set_tensor(model, name, param, is_param=True)
+            _set_parameter(model, name, param)
     for name in persistent_buffers:
         buffer = model.get_buffer(name)
         value = _cast(
             tensors[name], name, _expected_shape(buffer, name, layout), dtype, fp32_patterns, model_dir
         )
-        _set_tensor(model, name, value, is_param=False)
+        _set_buffer(model, name, value)
 
     for group in tie_groups.values():
         if len({model.get_parameter(name).data_ptr() for name in group}) != 1:
@@ -471,15 +483,16 @@ def _cast(
     return tensor.to(torch.float32 if keep_fp32 else dtype)
 
 
-def _set_tensor(model: torch.nn.Module, dotted_name: str, value: torch.Tensor, *, is_param: bool) -> None:
+# Both replace the entry itself: copying into a meta tensor is impossible, and for tied names the
+# same Parameter object must end up under each of them.
+def _set_parameter(model: torch.nn.Module, dotted_name: str, param: torch.nn.Parameter) -> None:
     module_name, _, attr = dotted_name.rpartition(".")
-    owner = model.get_submodule(module_name)
-    # Replace the entry itself: copying into a meta tensor is impossible, and for tied names the
-    # same Parameter object must end up under each of them.
-    if is_param:
-        owner._parameters[attr] = value
-    else:
-        owner._buffers[attr] = value
+    model.get_submodule(module_name)._parameters[attr] = param
+
+
+def _set_buffer(model: torch.nn.Module, dotted_name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = dotted_name.rpartition(".")
+    model.get_submodule(module_name)._buffers[attr] = value
 
 
 def _check_nothing_on_meta(model: PreTrainedModel, model_dir: Path) -> None:

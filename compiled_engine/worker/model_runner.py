@@ -213,10 +213,14 @@ class ModelRunner:
         Placeholder tokens in the step are the previous launch's samples, read on the device.
         """
         slot = self._slots[self._num_launches % 2]
-        slot.consumed.synchronize()  # the step that used this slot has copied it out
+        consumed = slot.consumed
+        assert consumed is not None  # __init__ gives each of the runner's slots an event
+        consumed.synchronize()  # the step that used this slot has copied it out
         started = time.perf_counter()
         previous = self._previous
-        staged = slot.fill(step, previous and _sample_index(previous), self.request_states)
+        staged = slot.fill(
+            step, _sample_index(previous) if previous is not None else None, self.request_states
+        )
         sampled = [step.scheduled[i] for i in staged.sampled_rows]
         generators = tuple(self._generator_for(r) for r in sampled)
         samples = _Samples()
@@ -225,7 +229,9 @@ class ModelRunner:
 
         def work() -> None:
             began = time.perf_counter()
-            inputs = self.buffers.load(slot, staged, previous_samples and previous_samples.tokens)
+            inputs = self.buffers.load(
+                slot, staged, previous_samples.tokens if previous_samples is not None else None
+            )
             # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
             logits = self.step_graph(inputs)
             k = len(sampled)
@@ -244,7 +250,7 @@ class ModelRunner:
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
-        self.stream.record(slot.consumed)
+        self.stream.record(consumed)
         done = self.stream.new_event()
         self.stream.record(done)
         self._num_launches += 1

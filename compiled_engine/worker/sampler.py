@@ -164,7 +164,7 @@ class SamplingRow(NamedTuple):
     num_output_tokens: int = 0
     # Penalties only: the prompt, and the outputs the host knows (an output still being sampled
     # on the device is added there by the caller).
-    prompt_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] | np.ndarray = ()  # an array: the history's cached prompt_array
     output_token_ids: Sequence[int] = ()
     # min_tokens only: the model's EOS ids, banned too unless ignore_eos.
     eos_token_ids: frozenset[int] = frozenset()
