@@ -11,7 +11,7 @@ windows from the metadata itself.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -74,7 +74,8 @@ def paged_attention_forward(
     trace time and leave nothing in the graph.
     """
     _check_supported(module, query, attention_mask, dropout, kwargs)
-    layer_idx = module.layer_idx
+    # transformers' attention modules hold their layer's index as an int (checked not None above).
+    layer_idx = cast(int, module.layer_idx)
     kv_caches = kwargs[KV_CACHES_KWARG]
     if not 0 <= layer_idx < len(kv_caches):
         raise UnsupportedModelError(

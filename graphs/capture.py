@@ -213,10 +213,11 @@ def capture_model(
     register_paged_attention()
     model.eval()
     model.requires_grad_(False)
-    if hasattr(model, "set_attn_implementation"):
+    set_attn_implementation = getattr(model, "set_attn_implementation", None)
+    if set_attn_implementation is not None:
         # Models that cannot switch (no AttentionInterface support) keep theirs, with a warning
         # from transformers, and go through the SDPA lowering pass instead.
-        model.set_attn_implementation(ATTENTION_NAME)
+        set_attn_implementation(ATTENTION_NAME)
     # One cache per captured model: its graphs share one copy of each concatenated weight.
     fused_weights = FusedWeightCache() if fuse_linears else None
     pass_manager = default_pass_manager(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -249,7 +250,8 @@ class CudaRuntime(DeviceRuntime):
             torch.cuda.empty_cache()
             before = self.memory_in_use()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # Pools given here come from new_graph_pool above: torch.cuda's handles.
+            with torch.cuda.graph(graph, pool=cast("torch.cuda._POOL_HANDLE | None", pool), stream=stream):
                 output = _checked_output(fn())
             self.synchronize()
             added = self.memory_in_use() - before

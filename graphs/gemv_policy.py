@@ -68,7 +68,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +143,8 @@ def prologue_kind(x: Any) -> str:
     An activation anywhere in them wins (the costliest to recompute), then a normalisation.
     """
     found = NONE
-    pending, seen = [x], set()
+    pending: list[Any] = [x]
+    seen: set[fx.Node] = set()
     while pending and len(seen) < _MAX_PROLOGUE_NODES:
         node = pending.pop()
         if not isinstance(node, fx.Node) or node in seen:
@@ -199,13 +200,18 @@ class RowTiming:
         """Whether the lowering beat the faster GEMM form by _MIN_SPEEDUP (fastest calls)."""
         if self.gemv_best_ms is None:
             return False
-        gemm_best = self.packed_best_ms if self.packing_wins else self.gemm_best_ms
+        gemm_best = self.gemm_best_ms
+        if self.packed_best_ms is not None and self.packed_best_ms < gemm_best:  # packing_wins
+            gemm_best = self.packed_best_ms
         return gemm_best > _MIN_SPEEDUP * self.gemv_best_ms
 
     def spreads(self) -> list[float]:
         """Median over fastest call, per timed form."""
-        pairs = ((self.gemm_ms, self.gemm_best_ms), (self.gemv_ms, self.gemv_best_ms))
-        pairs += ((self.packed_ms, self.packed_best_ms),)
+        pairs: tuple[tuple[float | None, float | None], ...] = (
+            (self.gemm_ms, self.gemm_best_ms),
+            (self.gemv_ms, self.gemv_best_ms),
+            (self.packed_ms, self.packed_best_ms),
+        )
         return [median / best for median, best in pairs if median is not None and best]
 
 
@@ -265,7 +271,12 @@ class GemvDecision:
                 timings=tuple(
                     RowTiming(
                         rows=int(t["rows"]),
-                        **{name: _optional_float(t[name]) for name in _TIMING_FIELDS},
+                        gemm_ms=float(t["gemm_ms"]),  # torch's GEMM is timed at every measured row count
+                        gemv_ms=_optional_float(t["gemv_ms"]),
+                        gemm_best_ms=float(t["gemm_best_ms"]),
+                        gemv_best_ms=_optional_float(t["gemv_best_ms"]),
+                        packed_ms=_optional_float(t["packed_ms"]),
+                        packed_best_ms=_optional_float(t["packed_best_ms"]),
                     )
                     for t in data["timings"]
                 ),
@@ -281,9 +292,6 @@ class GemvDecision:
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise ValueError(f"not a GEMV decision: {error}") from error
-
-
-_TIMING_FIELDS = ("gemm_ms", "gemv_ms", "gemm_best_ms", "gemv_best_ms", "packed_ms", "packed_best_ms")
 
 
 def _optional_float(value: Any) -> float | None:
@@ -324,16 +332,26 @@ def measure_gemv_rows(
     device = torch.device(device)
     counts = Counter(_as_linear(s) for s in shapes)
     described = tuple((o, i, k, c) for (o, i, k), c in sorted(counts.items()))
-    common = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), shapes=described)
+    device_name, dtype_name = str(device), str(dtype).removeprefix("torch.")
+
+    def never_lowered(reason: str) -> GemvDecision:
+        return GemvDecision(
+            (),
+            unmeasured_rows=rows_to_try,
+            reason=reason,
+            device=device_name,
+            dtype=dtype_name,
+            shapes=described,
+        )
+
     if device.type == "cuda":
-        reason = "not measured on cuda: cuBLAS has fast GEMV kernels, never lowered"
-        return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
+        return never_lowered("not measured on cuda: cuBLAS has fast GEMV kernels, never lowered")
     if device.type != "cpu":
-        reason = f"not measured on {device.type}: the lowering is only measured on CPUs, never lowered"
-        return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
+        return never_lowered(
+            f"not measured on {device.type}: the lowering is only measured on CPUs, never lowered"
+        )
     if not counts or not rows_to_try:
-        reason = "no constant-weight linears" if not counts else "no candidate row counts"
-        return GemvDecision((), unmeasured_rows=rows_to_try, reason=reason, **common)
+        return never_lowered("no constant-weight linears" if not counts else "no candidate row counts")
 
     generator = torch.Generator().manual_seed(seed)
     per_set, num_sets = _weight_sets_layout(counts, dtype)
@@ -372,7 +390,9 @@ def measure_gemv_rows(
         num_threads=torch.get_num_threads(),
         packed_rows=measured_packed + (tuple(unmeasured) if gemm_form else ()),
         packs_dynamic=gemm_form,
-        **common,
+        device=device_name,
+        dtype=dtype_name,
+        shapes=described,
     )
 
 
@@ -481,7 +501,10 @@ def _time_rows(
         if gemv:
             from torch._inductor.compile_fx import compile_fx  # Inductor imports slowly; only when timing
 
-            compiled = compile_fx(_measured_graph(linears, rows), [*flat_inputs, *weight_sets[0]])
+            # Outside AOT mode compile_fx returns the compiled callable; its annotation also
+            # covers the AOT outputs (paths, weights), which this call never asks for.
+            measured = _measured_graph(linears, rows)
+            compiled = cast(Callable[..., Any], compile_fx(measured, [*flat_inputs, *weight_sets[0]]))
             forms["gemv"] = lambda: compiled(*flat_inputs, *next(turns))
         seconds = dict(zip(forms, _alternate(*forms.values()), strict=True))
 
@@ -493,9 +516,9 @@ def _time_rows(
 
     return RowTiming(
         rows,
-        gemm_ms=median_ms("gemm"),
+        gemm_ms=statistics.median(seconds["gemm"]) * 1e3,  # the GEMM form is always timed
         gemv_ms=median_ms("gemv"),
-        gemm_best_ms=best_ms("gemm"),
+        gemm_best_ms=min(seconds["gemm"]) * 1e3,
         gemv_best_ms=best_ms("gemv"),
         packed_ms=median_ms("packed"),
         packed_best_ms=best_ms("packed"),

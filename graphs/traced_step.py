@@ -113,7 +113,9 @@ class TracedStep:
             attention_backend=attention_backend,
             tensor_parallel=tensor_parallel,
         )
-        with fx_config.patch(use_duck_shape=False), torch.inference_mode():
+        # `patch` is added to torch's config modules at import time (install_config_module), so
+        # their type stubs do not show it.
+        with fx_config.patch(use_duck_shape=False), torch.inference_mode():  # type: ignore[attr-defined]
             captured(_trace_inputs(kv_caches[0].device))
         if len(recorded) != 1:
             raise RuntimeError(f"tracing the step produced {len(recorded)} graphs, expected exactly 1")

@@ -58,7 +58,10 @@ def _warmup(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     runner = llm.engine.model_runner
     rows = warm_up_buckets(runner.step_graph)
-    print(f"compile cache entry: {runner.step_graph.cache_entry.dir}")
+    cache_entry = runner.step_graph.cache_entry
+    if cache_entry is None:  # only an eager engine has none, and warm-up builds a compiled one
+        raise RuntimeError("warm-up built an engine without a compile cache entry")
+    print(f"compile cache entry: {cache_entry.dir}")
     print(format_table(rows))
     return 0
 

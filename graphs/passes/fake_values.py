@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
@@ -36,9 +36,10 @@ def set_fake_value(node: fx.Node) -> None:
         return
     with fake_evaluation(fakes[0].fake_mode):
         if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            value = getattr(args[0], str(node.target))(*args[1:], **kwargs)  # the target names the method
         else:
-            value = node.target(*args, **kwargs)
+            # A call_function node's target is the function itself (fx types it as a method name too).
+            value = cast(Callable[..., Any], node.target)(*args, **kwargs)
     node.meta["example_value"] = value
 
 

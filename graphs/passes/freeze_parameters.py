@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -60,7 +60,8 @@ def mutated_arguments(node: fx.Node) -> list[fx.Node]:
     (custom ops declared with `mutates_args`, e.g. the paged-attention op's KV cache).
     """
     if node.op == "call_method":
-        return [node.args[0]] if str(node.target).endswith("_") and node.args else []
+        # The object a method is called on is a traced value, so a Node.
+        return [cast(fx.Node, node.args[0])] if str(node.target).endswith("_") and node.args else []
     if node.op != "call_function":
         return []
     written: list[Any] = []
@@ -149,9 +150,11 @@ def register_constant(
         gm.register_buffer(name, tensor, persistent=False)
     sources = getattr(gm, "_param_name_to_source", None)
     if isinstance(sources, dict):
-        sources = dict(sources)
-        sources[name] = source if source is not None else ConstantSource(f"compiled_engine_{name}")
-        gm._param_name_to_source = sources
+        copied = dict(sources)
+        copied[name] = source if source is not None else ConstantSource(f"compiled_engine_{name}")
+        # Dynamo's attribute, undeclared on GraphModule: mypy would type a plain assignment by
+        # Module.__getattr__ (Tensor | Module).
+        setattr(gm, "_param_name_to_source", copied)  # noqa: B010
     return name
 
 

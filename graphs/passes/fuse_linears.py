@@ -162,8 +162,8 @@ def _record_fused_recipes(
     Only when every part has a recipe itself (weights frozen by freeze_parameters): a graph
     with a constant lacking one is simply never saved to the compile cache.
     """
-    weights = [recipe_of(gm, str(s.weight_node.target)) for s in siblings]
-    if any(w is None for w in weights):
+    weights = [w for s in siblings if (w := recipe_of(gm, str(s.weight_node.target))) is not None]
+    if len(weights) != len(siblings):
         return
     record_recipe(gm, weight_name, concat_recipe(weights))
     if bias_name is None:
@@ -173,7 +173,9 @@ def _record_fused_recipes(
         if sibling.bias is None:
             biases.append(zero_rows_recipe(weight))
             continue
-        bias_node = linear_operands(sibling.node)[2]
+        operands = linear_operands(sibling.node)
+        assert operands is not None, "a fused sibling is a linear"
+        bias_node = operands[2]
         bias = recipe_of(gm, str(bias_node.target))
         if bias is None:
             return

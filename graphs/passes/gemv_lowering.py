@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -85,7 +86,8 @@ def _annotate(nodes: list[fx.Node]) -> None:
             if node.op == "call_method":
                 value = getattr(args[0], str(node.target))(*args[1:])
             else:
-                value = node.target(*args)
+                # A call_function node's target is the function itself (fx types it as a method name too).
+                value = cast(Callable[..., Any], node.target)(*args)
         node.meta["example_value"] = value
 
 

@@ -25,7 +25,7 @@ check_lowering then rejects the graph: never run silently wrong attention.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -105,7 +105,9 @@ def _unrepeat(node: fx.Node) -> fx.Node:
         if not isinstance(inserted, fx.Node):
             return node
         base = _base_of_head_group_axis(inserted)
-        base_shape, out_shape = _shape(base) if base is not None else None, _shape(node)
+        if base is None:
+            return node
+        base_shape, out_shape = _shape(base), _shape(node)
         if base_shape is None or out_shape is None or len(base_shape) != 4 or len(out_shape) != 4:
             return node
         if all(_same_size(base_shape[d], out_shape[d]) for d in (0, 2, 3)):
@@ -170,7 +172,11 @@ class LowerSdpa:
         if marker is None:
             notes.append("no step_metadata marker in the graph (not captured by CapturedModel?)")
             return PassResult(self.name, 0, tuple(notes))
-        kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc = marker.args
+        # step_metadata(kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc) is called
+        # on the step's inputs, so in the graph its arguments are a list of nodes, then four nodes.
+        kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc = cast(
+            tuple[list[fx.Node], fx.Node, fx.Node, fx.Node, fx.Node], marker.args
+        )
         if len(sdpa_nodes) != len(kv_caches):
             notes.append(
                 f"{len(sdpa_nodes)} SDPA calls but {len(kv_caches)} KV caches (one per attention "

@@ -176,6 +176,8 @@ def _view_noop(node: fx.Node) -> fx.Node | None:
     if not (is_method or is_function):
         return None
     x = _self_call(node)
+    if x is None:
+        return None
     before, after = _tensor(x), _tensor(node)
     if before is None or after is None or not _same_layout(before, after):
         return None
