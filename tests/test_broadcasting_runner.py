@@ -61,7 +61,7 @@ def test_the_broadcaster_sends_typed_messages_and_changes_no_token(llama_dir):
     try:
         runner = llm.engine.model_runner
         steps_before = runner.timeline.num_steps
-        llm.engine.model_runner = BroadcastingRunner(runner, group, workers)
+        llm.engine.core.runner = BroadcastingRunner(runner, group, workers)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         workers.stop()
