@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int
     enforce_eager: bool
     compile_buckets: tuple[int, ...]  # ascending; empty when eager (nothing is compiled)
+    compile_policy: str  # "background", "blocking" or "ahead" (engine_args.py); unused when eager
     fuse_linears: bool
     cache_dir: str | None
     async_scheduling: bool

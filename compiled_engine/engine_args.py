@@ -39,6 +39,15 @@ ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
 # kernels/backends.py ATTENTION_BACKENDS (a test keeps the two equal; importing it here costs torch).
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# What a step does when its bucket's graph is not built yet (docs/compile-policy.md):
+# background: run a fallback graph now, compile the bucket in a background process;
+# blocking: compile (or load) it first, on the request path; ahead: build every graph before
+# the engine serves (vLLM's way). `compile_policy=None` reads COMPILE_POLICY_ENV, else per device:
+# background on CPU; on CUDA blocking, as the compiler process would hold a second copy of the
+# weights on the GPU after the KV cache was sized from what the first left free.
+COMPILE_POLICY_CHOICES = ("background", "blocking", "ahead")
+COMPILE_POLICY_ENV = "COMPILED_ENGINE_COMPILE_POLICY"
+COMPILE_POLICY_DEFAULT = {"cpu": "background", "cuda": "blocking"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,14 @@ class EngineArgs:
     cache_dir: str | None = option(
         None, "compile cache (default: $COMPILED_ENGINE_CACHE_DIR, else ~/.cache/compiled_engine)"
     )
+    compile_policy: str | None = option(
+        None,
+        "what a step does when its bucket's graph is not built yet: background (run a fallback "
+        "graph, compile it in a background process), blocking (build it first), ahead (build "
+        f"every graph before serving); default: ${COMPILE_POLICY_ENV}, else background on CPU, "
+        "blocking on CUDA",
+        choices=COMPILE_POLICY_CHOICES,
+    )
     fuse_linears: bool = option(True, "keep q/k/v and gate/up as separate GEMMs")
     enable_prefix_caching: bool = option(
         True,
@@ -157,6 +174,16 @@ class EngineArgs:
             raise ValueError(
                 f"unknown attention_backend {self.attention_backend!r}: "
                 f"choose one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
+            )
+        if self.compile_policy is not None and self.compile_policy not in COMPILE_POLICY_CHOICES:
+            raise ValueError(
+                f"unknown compile_policy {self.compile_policy!r}: "
+                f"choose one of {', '.join(COMPILE_POLICY_CHOICES)}"
+            )
+        if self.tensor_parallel_size > 1 and self.compile_policy == "background":
+            raise ValueError(
+                "compile_policy='background' is not supported with tensor_parallel_size > 1: every rank "
+                "must run each step on the same kind of graph; use 'blocking' or 'ahead'"
             )
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ValueError(
@@ -211,6 +238,7 @@ class EngineArgs:
             async_scheduling = self.async_scheduling
         return EngineConfig(
             model_dir=self.resolve_model_dir(),
+            compile_policy=self._resolve_compile_policy(device),
             dtype=model_config.dtype,
             device=device,
             max_model_len=max_model_len,
@@ -229,6 +257,28 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.tensor_parallel_size,
         )
+
+    def _resolve_compile_policy(self, device: torch.device) -> str:
+        policy = self.compile_policy
+        if policy is None:
+            policy = os.environ.get(COMPILE_POLICY_ENV, "").strip() or None
+            if policy is not None and policy not in COMPILE_POLICY_CHOICES:
+                raise ValueError(
+                    f"{COMPILE_POLICY_ENV}={policy!r} is not a compile policy: choose one of "
+                    f"{', '.join(COMPILE_POLICY_CHOICES)}"
+                )
+        if policy is None:
+            policy = COMPILE_POLICY_DEFAULT.get(device.type, "blocking")
+        if policy == "background" and self.tensor_parallel_size > 1:
+            policy = "blocking"  # the environment's default: the explicit option is refused above
+        if policy == "background" and device.type != "cpu":
+            raise ValueError(
+                f"compile_policy='background' runs on the CPU only for now, not on {device.type}: the "
+                "compiler process would hold a second copy of the weights on the device after the KV "
+                "cache was sized from its free memory; use 'blocking' or 'ahead' (or "
+                "`compiled-engine warmup` ahead of time)"
+            )
+        return policy
 
     # -- the command line --------------------------------------------------------------------------------
 

@@ -124,6 +124,10 @@ class ArtifactStore:
         self.entry.write_artifact(name, header, payload)
         return True
 
+    def has(self, bucket: int | None) -> bool:
+        """Whether the entry holds an artifact for `bucket` (not yet checked: `load` does that)."""
+        return self.entry.artifact_path(bucket_label(bucket)).is_file()
+
     def load(
         self, bucket: int | None, constants: Callable[[list[Recipe]], list[torch.Tensor]]
     ) -> LoadedBucket | None:

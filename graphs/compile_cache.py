@@ -21,11 +21,13 @@ Safety rules, all tested:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,6 +68,30 @@ def use_inductor_cache_in(root: Path) -> Path:
     ours.mkdir(parents=True, exist_ok=True)
     os.environ[INDUCTOR_CACHE_ENV] = str(ours)
     return ours
+
+
+def usable_compile_cache(root: str | os.PathLike[str] | None = None) -> CompileCache:
+    """The compile cache at `root` (default as CompileCache's), or, when that cannot be written
+    (a read-only disk, a path through a file), one in a fresh temporary directory with a
+    warning: the engine still compiles, caches and hands graphs between its processes, but
+    nothing is kept after it exits."""
+    cache = CompileCache(root)
+    try:
+        cache.entries_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=cache.entries_dir, prefix=".write-probe-")  # noqa: SIM115
+        probe.close()
+    except OSError as exc:
+        fallback = tempfile.mkdtemp(prefix="compiled-engine-cache-")
+        logger.warning(
+            "compile cache %s is not writable (%s): using %s for this process; compiled graphs will "
+            "not be kept after it exits",
+            cache.root,
+            exc,
+            fallback,
+        )
+        atexit.register(shutil.rmtree, fallback, ignore_errors=True)
+        return CompileCache(fallback)
+    return cache
 
 
 def atomic_write(path: Path, data: bytes) -> None:

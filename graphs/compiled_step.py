@@ -28,9 +28,11 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from tqdm.auto import tqdm
 
 from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.artifact_store import ArtifactStore, ConstantPool
+from compiled_engine.graphs.background_builds import BackgroundBuilds, CompilerProcess
 from compiled_engine.graphs.bucket_compiler import (
     BucketBuild,
     CompiledBucket,
@@ -54,6 +56,7 @@ from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.kernels.paged_attention import PAGED_ATTENTION_VERSION
 from compiled_engine.kernels.reference import REFERENCE_VERSION
 from compiled_engine.kernels.source_version import source_version
+from compiled_engine.records.graph_status import EAGER, GraphCall, GraphStatus, graph_label
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ COMPILED_STEP_VERSION = source_version(
     "compiled_engine.graphs.standalone_compile",
     "compiled_engine.graphs.pass_manager",
 )
+
+COMPILE_POLICIES = ("background", "blocking", "ahead")
 
 
 def step_component_versions(
@@ -114,6 +119,12 @@ class CompiledStep:
     caller built for exactly these arguments. With it, start-up loads every bucket the entry
     holds and the calling convention it recorded, and traces the model only if a graph is
     missing; every graph compiled here is saved to it.
+    `policy`: what a step does when its bucket is not built yet (engine_args.py
+    COMPILE_POLICY_CHOICES). "blocking": build it first; "ahead": every graph is built here,
+    before the first step; "background": `compiler` (graphs/background_builds.py) compiles the
+    missing graphs in another process while steps run on a fallback graph — the smallest ready
+    bucket that holds the step, else the dynamic graph, else the traced graph run eagerly — and
+    a compiled graph is swapped in between steps once loaded.
     """
 
     def __init__(
@@ -127,8 +138,17 @@ class CompiledStep:
         runtime: DeviceRuntime | None = None,
         attention_backend: AttentionBackend | None = None,
         tensor_parallel: TensorParallelLayout | None = None,
+        policy: str = "blocking",
+        compiler: CompilerProcess | None = None,
     ) -> None:
+        if policy not in COMPILE_POLICIES:
+            raise ValueError(
+                f"unknown compile policy {policy!r}: choose one of {', '.join(COMPILE_POLICIES)}"
+            )
+        if policy == "background" and (compiler is None or cache is None):
+            raise ValueError("the background compile policy needs a compiler process and a compile cache")
         self.model = model
+        self.policy = policy
         self.attention_backend = attention_backend
         self.tensor_parallel = tensor_parallel
         self.kv_caches = kv_caches
@@ -153,13 +173,27 @@ class CompiledStep:
             convention = self._trace().convention
         self.convention = convention
         self._build_args = convention.bind(model)
+        # Captured decode graphs, once capture_graphs() ran (graphs/decode_graphs.py).
+        self.decode_graphs = DecodeGraphs(self.runtime, buffers, self.buckets, self.max_num_seqs)
+        self.last_call: GraphCall | None = None  # how the latest step ran
+        self.background: BackgroundBuilds | None = None
         if self.store is not None:
-            for bucket in self.all_buckets():
+            # Every graph the cache holds, now: a warm engine never loads on the request path.
+            cached = [b for b in self.all_buckets() if self.store.has(b)]
+            for bucket in tqdm(cached, desc="Loading graphs", unit="graph", disable=None):
                 loaded = self._load(bucket)
                 if loaded is not None:
                     self._artifacts[bucket] = loaded
-        # Captured decode graphs, once capture_graphs() ran (graphs/decode_graphs.py).
-        self.decode_graphs = DecodeGraphs(self.runtime, buffers, self.buckets, self.max_num_seqs)
+        missing = [b for b in self.all_buckets() if b not in self._artifacts]
+        if missing and policy == "ahead":
+            self.compile_buckets(missing, show_progress=True)
+        elif missing and policy == "background":
+            assert compiler is not None and self.store is not None
+            # The eager fallback runs the traced graph; its weights are the loaded graphs' too.
+            self._trace()
+            self.background = BackgroundBuilds(
+                compiler, background_order(missing), str(self.store.entry.dir), self._load
+            )
 
     # The StepGraph protocol (graphs/step_graph.py).
 
@@ -202,14 +236,39 @@ class CompiledStep:
             buckets.append(None)
         return buckets
 
-    def compile_buckets(self, buckets: Sequence[int | None] | None = None) -> None:
+    def compile_buckets(
+        self, buckets: Sequence[int | None] | None = None, show_progress: bool = False
+    ) -> None:
         """Build these buckets now (default: all, and the dynamic graph if it can be reached)."""
         if buckets is None:
             buckets = self.all_buckets()
         for bucket in buckets:
             if bucket is not None and bucket not in self.buckets:
                 raise ValueError(f"{bucket} is not one of the buckets {self.buckets}")
-            self.artifact(bucket)
+        with tqdm(
+            total=len(buckets), desc="Compiling graphs", unit="graph", disable=not show_progress or None
+        ) as bar:
+            for bucket in buckets:
+                bar.set_postfix_str(graph_label(bucket))
+                self.artifact(bucket)
+                bar.update(1)
+
+    def status(self) -> GraphStatus:
+        """How many of its graphs are ready, compiling, failed (records/graph_status.py)."""
+        total = len(self.all_buckets())
+        artifacts = list(self._artifacts)  # one copy: the server reads this from another thread
+        if self.background is None:
+            return GraphStatus(
+                total=total, ready=len(artifacts), on_demand=total - len(artifacts), policy=self.policy
+            )
+        background = self.background
+        ready_elsewhere = sum(1 for b in artifacts if background.state(b) is None)
+        return background.status(total, ready_elsewhere, self.policy)
+
+    def close(self) -> None:
+        """Stop the background compiler, if one runs (what it compiled stays in the cache)."""
+        if self.background is not None:
+            self.background.close()
 
     def step_args(self, inputs: StepInputs) -> list[Any]:
         """The compiled graphs' positional arguments for `inputs` (views of the buffers)."""
@@ -217,18 +276,32 @@ class CompiledStep:
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         replayed = self.decode_graphs.run(inputs)
-        if replayed is not None:
-            return replayed
         num_tokens = inputs.slot_mapping.shape[0]
         num_logits = inputs.logits_indices.shape[0]
-        bucket = bucket_for(num_tokens, self.buckets)
-        if bucket is not None and num_logits > bucket_shape(bucket, self.max_num_seqs).num_seqs:
-            # More logits rows than the bucket graph returns (a step with prompt logprobs): the
-            # dynamic graph, whose logits-row count is its own symbol.
-            bucket = None
+        if replayed is not None:
+            label = graph_label(bucket_for(num_tokens, self.buckets))
+            self.last_call = GraphCall(label, label)
+            return replayed
+        if self.background is not None:
+            for ready, artifact in self.background.take_ready():  # between steps: swap them in
+                self._artifacts[ready] = artifact
+        wanted = self._bucket_of(num_tokens, num_logits)
+        graph: int | str | None = wanted
+        waited, wait_s = None, 0.0
+        if wanted not in self._artifacts:
+            if self.background is not None and self.background.state(wanted) is not None:
+                self.background.request(wanted)  # loads it off this thread once it is compiled
+                graph = self._fallback(num_tokens, num_logits)
+            else:
+                started = time.perf_counter()
+                self.artifact(wanted)
+                wait_s = time.perf_counter() - started
+                waited = "compile" if self.builds[wanted].source == "compiled" else "load"
+        ran = graph if isinstance(graph, str) else graph_label(graph)
+        self.last_call = GraphCall(graph_label(wanted), ran, waited, wait_s)
         width = inputs.block_tables.shape[1]
-        if bucket is not None:
-            shape = bucket_shape(bucket, self.max_num_seqs)
+        if isinstance(graph, int):
+            shape = bucket_shape(graph, self.max_num_seqs)
             padded = pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, width)
         else:
             padded = pad_step(
@@ -240,10 +313,34 @@ class CompiledStep:
                 max(width, MIN_DYNAMIC_SIZE),
                 logits_per_token=True,
             )
-        artifact = self.artifact(bucket)
+        run = self._run_eager if graph == EAGER else self._artifacts[graph]  # type: ignore[index]
         with torch.no_grad():
-            logits = artifact(*self._build_args(padded, self.kv_caches))[0]
+            logits = run(*self._build_args(padded, self.kv_caches))[0]
         return logits[:num_logits]
+
+    def _bucket_of(self, num_tokens: int, num_logits: int) -> int | None:
+        """The graph a step of this size belongs in: its bucket, or None (the dynamic graph)."""
+        bucket = bucket_for(num_tokens, self.buckets)
+        if bucket is not None and num_logits > bucket_shape(bucket, self.max_num_seqs).num_seqs:
+            # More logits rows than the bucket graph returns (a step with prompt logprobs): the
+            # dynamic graph, whose logits-row count is its own symbol.
+            return None
+        return bucket
+
+    def _fallback(self, num_tokens: int, num_logits: int) -> int | str | None:
+        """A ready graph for a step whose own is not: the smallest larger bucket that holds it,
+        else the dynamic graph, else EAGER (the traced graph, run as it is)."""
+        for bucket in self.buckets:
+            if (
+                bucket >= num_tokens
+                and bucket in self._artifacts
+                and num_logits <= bucket_shape(bucket, self.max_num_seqs).num_seqs
+            ):
+                return bucket
+        return None if None in self._artifacts else EAGER
+
+    def _run_eager(self, *args: Any) -> Any:
+        return self._trace().graph(*args)
 
     def artifact(self, bucket: int | None) -> Callable[..., Any]:
         """The bucket's compiled callable (None: the dynamic graph), built now if needed."""
@@ -337,3 +434,11 @@ class CompiledStep:
         seconds = time.perf_counter() - start
         self.builds[bucket] = BucketBuild(bucket, "loaded", seconds, True, loaded.passes)
         return loaded.run
+
+
+def background_order(buckets: Sequence[int | None]) -> list[int | None]:
+    """The order the background compiler builds `buckets` in: first the one graph that serves
+    every step size (the dynamic graph, else the largest bucket), then the rest smallest first,
+    as small steps (decodes) are the most frequent."""
+    first = None if None in buckets else max(b for b in buckets if b is not None)
+    return [first] + sorted(b for b in buckets if b is not None and b != first)

@@ -23,16 +23,19 @@ from typing import Protocol
 
 import torch
 
+from compiled_engine.config import EngineConfig
 from compiled_engine.distributed.layout import TensorParallelLayout
+from compiled_engine.graphs.background_builds import CompilerProcess
 from compiled_engine.graphs.bucket_compiler import BucketBuild
 from compiled_engine.graphs.buckets import default_buckets
 from compiled_engine.graphs.capture import CapturedModel, capture_model
 from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache
-from compiled_engine.graphs.compile_manifest import GraphOptions, build_manifest
+from compiled_engine.graphs.compile_manifest import GraphOptions, Manifest, build_manifest
 from compiled_engine.graphs.compiled_step import CompiledStep, step_component_versions
 from compiled_engine.graphs.device import DeviceRuntime, runtime_for
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
+from compiled_engine.records.graph_status import EAGER, GraphCall, GraphStatus
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +47,17 @@ class StepGraph(Protocol):
     attention_backend: AttentionBackend | None
     cache_entry: CacheEntry | None  # the compile-cache entry its graphs live in, if any
     builds: dict[int | None, BucketBuild]  # how each bucket graph was obtained so far
+    last_call: GraphCall | None  # how the latest step ran: its graph, a fallback, a wait
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor: ...
+
+    def status(self) -> GraphStatus:
+        """How many of its graphs are ready, compiling, failed."""
+        ...
+
+    def close(self) -> None:
+        """Stop anything it runs in the background."""
+        ...
 
     @property
     def supports_graphs(self) -> bool:
@@ -66,7 +78,9 @@ class StepGraph(Protocol):
         """Every bucket graph it can run (None: the dynamic graph)."""
         ...
 
-    def compile_buckets(self, buckets: Sequence[int | None] | None = None) -> None:
+    def compile_buckets(
+        self, buckets: Sequence[int | None] | None = None, show_progress: bool = False
+    ) -> None:
         """Build (load or compile) these bucket graphs now; default all."""
         ...
 
@@ -76,6 +90,7 @@ class EagerStepGraph:
 
     cache_entry: CacheEntry | None = None
     supports_graphs = False
+    last_call: GraphCall | None = GraphCall(EAGER, EAGER)
 
     def __init__(self, captured: CapturedModel, runtime: DeviceRuntime, attention_backend: AttentionBackend):
         self.captured = captured
@@ -98,62 +113,52 @@ class EagerStepGraph:
     def all_buckets(self) -> list[int | None]:
         return []
 
-    def compile_buckets(self, buckets: Sequence[int | None] | None = None) -> None:
+    def compile_buckets(
+        self, buckets: Sequence[int | None] | None = None, show_progress: bool = False
+    ) -> None:
         if buckets:
             raise ValueError("the eager path has no bucket graphs")
+
+    def status(self) -> GraphStatus:
+        return GraphStatus(policy=EAGER)
+
+    def close(self) -> None:
+        pass
 
 
 def build_step_graph(
     model: torch.nn.Module,
     kv_caches: list[torch.Tensor],
     buffers: StepInputs,
+    config: EngineConfig,
     *,
-    enforce_eager: bool,
-    block_size: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    compile_buckets: Sequence[int] | None,
-    fuse_linears: bool,
     cache: CompileCache | None,
     attention_backend: AttentionBackend,
     tensor_parallel: TensorParallelLayout | None,
-    device: torch.device,
+    compiler: CompilerProcess | None = None,
 ) -> StepGraph:
-    """The step graph the options ask for.
+    """The step graph `config` asks for (enforce_eager, the buckets, fuse_linears, the compile policy).
 
     `buffers`: the runner's whole persistent step buffers (worker/input_buffers.py), with the
-    room graphs/traced_step.py's `check_buffer_room` asks for. `compile_buckets`: the token-count
-    buckets (default graphs/buckets.py's `default_buckets`). `cache`: where compiled graphs are
+    room graphs/traced_step.py's `check_buffer_room` asks for. `cache`: where compiled graphs are
     kept (None: compiled in memory only). `attention_backend`: resolved (kernels/backends.py).
+    `compiler`: how to start the background compiler (the "background" policy only).
     """
-    if enforce_eager:
+    if config.enforce_eager:
         captured = capture_model(
             model, kv_caches, attention_backend=attention_backend, tensor_parallel=tensor_parallel
         )
-        return EagerStepGraph(captured, runtime_for(device), attention_backend)
+        return EagerStepGraph(captured, runtime_for(config.device), attention_backend)
     buckets = tuple(
-        compile_buckets
-        if compile_buckets is not None
-        else default_buckets(max_num_batched_tokens, max_num_seqs)
+        config.compile_buckets
+        if config.compile_buckets
+        else default_buckets(config.max_num_batched_tokens, config.max_num_seqs)
     )
     entry = None
     if cache is not None:
-        options = GraphOptions(
-            dtype=kv_caches[0].dtype,
-            block_size=block_size,
-            buckets=buckets,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
-            kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
-            fuse_linears=fuse_linears,
-            attention_backend=attention_backend.name,
-            tensor_parallel=(
-                f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"
-            ),
+        entry = cache.entry(
+            step_manifest(model, kv_caches, config, buckets, attention_backend, tensor_parallel)
         )
-        versions = step_component_versions(fuse_linears, attention_backend, tensor_parallel)
-        entry = cache.entry(build_manifest(model, options, device, versions))
         if not entry.exists():
             logger.info("%s", entry.explain_miss())
     return CompiledStep(
@@ -161,8 +166,35 @@ def build_step_graph(
         kv_caches,
         buffers,
         buckets,
-        fuse_linears=fuse_linears,
+        fuse_linears=config.fuse_linears,
         cache=entry,
         attention_backend=attention_backend,
         tensor_parallel=tensor_parallel,
+        policy=config.compile_policy,
+        compiler=compiler,
     )
+
+
+def step_manifest(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    config: EngineConfig,
+    buckets: tuple[int, ...],
+    attention_backend: AttentionBackend,
+    tensor_parallel: TensorParallelLayout | None,
+) -> Manifest:
+    """The compile-cache manifest of a compiled step: every input that shapes its graphs."""
+    options = GraphOptions(
+        dtype=kv_caches[0].dtype,
+        block_size=config.block_size,
+        buckets=buckets,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        # The block count is symbolic in the graphs (graphs/capture.py): not part of the key.
+        kv_cache_shape=tuple(kv_caches[0].shape[:1] + kv_caches[0].shape[2:]),
+        fuse_linears=config.fuse_linears,
+        attention_backend=attention_backend.name,
+        tensor_parallel=(f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"),
+    )
+    versions = step_component_versions(config.fuse_linears, attention_backend, tensor_parallel)
+    return build_manifest(model, options, config.device, versions)

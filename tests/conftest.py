@@ -23,6 +23,10 @@ if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
     os.environ["COMPILED_ENGINE_CACHE_DIR"] = _session_cache
     atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
+# Steps build a missing graph on the request path ("blocking"), as the tests of compiled graphs
+# expect; tests/test_background_compile.py and the others that exercise a policy pass it.
+os.environ.setdefault("COMPILED_ENGINE_COMPILE_POLICY", "blocking")
+
 import torch  # noqa: E402 - torch does not import triton
 
 # Without CUDA, Triton kernels run under triton's interpreter. triton reads the flag when it is first

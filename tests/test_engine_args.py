@@ -66,6 +66,14 @@ COMMAND_ONLY |= {"logprobs", "verbose"}
             {"tensor_parallel_size": 2, "async_scheduling": True},
             "async_scheduling=True is not supported with tensor_parallel_size > 1",
         ),
+        (
+            {"compile_policy": "lazy"},
+            "unknown compile_policy 'lazy': choose one of background, blocking, ahead",
+        ),
+        (
+            {"tensor_parallel_size": 2, "compile_policy": "background"},
+            "compile_policy='background' is not supported with tensor_parallel_size > 1",
+        ),
     ],
 )
 def test_a_bad_option_is_refused_on_construction_naming_it(kwargs, message):
@@ -234,3 +242,25 @@ def test_what_depends_on_the_model_is_checked_when_resolving(kwargs, message):
     args = EngineArgs(**kwargs)
     with pytest.raises(ValueError, match=message):
         args.create_engine_config(CPU, MODEL_CONFIG)
+
+
+def test_the_compile_policy_resolves_from_the_option_the_environment_and_the_device(monkeypatch):
+    monkeypatch.delenv("COMPILED_ENGINE_COMPILE_POLICY", raising=False)
+    assert EngineArgs().create_engine_config(CPU, MODEL_CONFIG).compile_policy == "background"
+    assert EngineArgs().create_engine_config(torch.device("cuda"), MODEL_CONFIG).compile_policy == "blocking"
+    monkeypatch.setenv("COMPILED_ENGINE_COMPILE_POLICY", "ahead")
+    assert EngineArgs().create_engine_config(CPU, MODEL_CONFIG).compile_policy == "ahead"
+    explicit = EngineArgs(compile_policy="blocking").create_engine_config(CPU, MODEL_CONFIG)
+    assert explicit.compile_policy == "blocking"  # the option wins over the environment
+    monkeypatch.setenv("COMPILED_ENGINE_COMPILE_POLICY", "background")
+    tp = EngineArgs(tensor_parallel_size=2).create_engine_config(CPU, MODEL_CONFIG)
+    assert tp.compile_policy == "blocking"  # the environment's default cannot pick it for ranks
+    monkeypatch.setenv("COMPILED_ENGINE_COMPILE_POLICY", "sometimes")
+    with pytest.raises(
+        ValueError, match="COMPILED_ENGINE_COMPILE_POLICY='sometimes' is not a compile policy"
+    ):
+        EngineArgs().create_engine_config(CPU, MODEL_CONFIG)
+    with pytest.raises(
+        ValueError, match="compile_policy='background' runs on the CPU only for now, not on cuda"
+    ):
+        EngineArgs(compile_policy="background").create_engine_config(torch.device("cuda"), MODEL_CONFIG)

@@ -38,6 +38,7 @@ from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.outputs import CompletionOutput, RequestOutput
+from compiled_engine.records.graph_status import GraphStatus
 from compiled_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -311,6 +312,11 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step (or the moment it went idle)."""
         return self._stats
+
+    def graph_status(self) -> GraphStatus:
+        """How many compiled graphs are ready, compiling, failed — now, even while the engine is
+        idle (the background compiler reports on its own thread; this reads its snapshot)."""
+        return self._engine.model_runner.step_graph.status()
 
     def add_stats_listener(self, listener: RequestStatsListener) -> None:
         self._listeners.append(listener)

@@ -70,7 +70,11 @@ class LLMEngine:
             self._finalizer: weakref.finalize[[], None] = weakref.finalize(self, self.tensor_parallel.close)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (if any) and leave their process group."""
+        """Stop the background graph compiler and the tensor-parallel workers (if any), and leave
+        their process group."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.step_graph.close()
         if self.tensor_parallel is not None:
             self._finalizer()
 
@@ -242,6 +246,9 @@ class LLMEngine:
             prefix_cache_hits=scheduler.num_prefix_cache_hits,
             num_cached_kv_blocks=pool.num_cached_blocks,
             num_evictable_kv_blocks=pool.num_evictable_blocks,
+            graphs=self.model_runner.step_graph.status(),
+            graph_waits=tuple(runner.graph_waits),
+            num_fallback_steps=runner.num_fallback_steps,
         )
 
     def num_free_kv_blocks(self) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from compiled_engine.records.graph_status import GraphStatus, GraphWait
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,16 @@ class EngineStats:
     # num_free_kv_blocks too: they are evicted when a new block is needed).
     num_cached_kv_blocks: int
     num_evictable_kv_blocks: int
+    # Compiled graphs: how many are ready, compiling, failed (records/graph_status.py); steps that
+    # waited on the request path for a compile or load (each with its step number and seconds),
+    # and steps run on a fallback graph while theirs compiled in the background.
+    graphs: GraphStatus = field(default_factory=GraphStatus)
+    graph_waits: tuple[GraphWait, ...] = ()
+    num_fallback_steps: int = 0
+
+    @property
+    def longest_graph_wait_s(self) -> float:
+        return max((wait.seconds for wait in self.graph_waits), default=0.0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

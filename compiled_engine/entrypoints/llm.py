@@ -50,7 +50,12 @@ class LLM:
         and gate/up as one GEMM each (graphs/passes/fuse_linears.py; ignored when eager);
         `cache_dir` is the on-disk compile cache (default: COMPILED_ENGINE_CACHE_DIR, else
         ~/.cache/compiled_engine; graphs/compile_cache.py): a start whose options match an
-        earlier one loads its compiled graphs instead of tracing and compiling again;
+        earlier one loads its compiled graphs instead of tracing and compiling again (all of
+        them before `LLM()` returns); `compile_policy` says what a step does when its graph is not
+        built yet: "background" (the CPU default: run a ready fallback graph and compile the
+        missing ones in a background process, swapped in between steps), "blocking" (the CUDA
+        default: build it first, on the request path) or "ahead" (build every graph before
+        `LLM()` returns); docs/compile-policy.md;
         `async_scheduling` overlaps the host's scheduling and input preparation for the next step
         with the current one (None: the best default for the device — on for CUDA, off for CPU);
         `attention_backend` picks the paged-attention kernels: "auto" (CUDA: triton when installed,
@@ -94,7 +99,7 @@ class LLM:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes now (a no-op for a single-rank engine)."""
+        """Stop the background graph compiler and the tensor-parallel worker processes now, if any."""
         self.engine.close()
 
     def get_tokenizer(self):

@@ -9,9 +9,10 @@ core, and the core imports neither.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from compiled_engine.records.graph_status import GraphCall, GraphWait
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner_output import ModelRunnerOutput
 from compiled_engine.records.scheduler_output import SchedulerOutput
@@ -26,6 +27,19 @@ class RunnerTimeline:
     prepare_s: float = 0.0  # host: staging a step (numpy, copies into the slot, generators)
     execute_s: float = 0.0  # the step's work: input copy, graph, sampling (on CUDA: launching it)
     wait_s: float = 0.0  # host blocked waiting for a step's tokens
+    # Steps that waited on the request path for their graph to compile or load (a stall), and
+    # steps that ran a fallback graph because theirs was still compiling in the background.
+    graph_waits: list[GraphWait] = field(default_factory=list)
+    num_fallback_steps: int = 0
+
+    def record_graph_call(self, step: int, call: GraphCall | None) -> None:
+        """What the step graph said about one step (`StepGraph.last_call`)."""
+        if call is None:
+            return
+        if call.waited is not None:
+            self.graph_waits.append(GraphWait(step, call.wanted, call.waited, call.wait_s))
+        if call.fell_back:
+            self.num_fallback_steps += 1
 
 
 class Launched(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -13,7 +14,8 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.distributed.layout import TensorParallelLayout
-from compiled_engine.graphs.compile_cache import CompileCache, use_inductor_cache_in
+from compiled_engine.graphs.background_builds import CompilerProcess
+from compiled_engine.graphs.compile_cache import CompileCache, usable_compile_cache, use_inductor_cache_in
 from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.step_graph import StepGraph, build_step_graph
 from compiled_engine.graphs.traced_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS
@@ -75,7 +77,7 @@ class ModelRunner:
     ) -> None:
         """Runs `model` on `kv_caches` as `config` says (its block count is the caches' own)."""
         self.device = device = config.device
-        cache = None if config.enforce_eager else CompileCache(config.cache_dir)
+        cache = None if config.enforce_eager else usable_compile_cache(config.cache_dir)
         if cache is not None:
             # Before the backend: the CPU kernel builds into Inductor's cache dir, kept in ours.
             use_inductor_cache_in(cache.root)
@@ -94,16 +96,11 @@ class ModelRunner:
             model,
             kv_caches,
             self.buffers.whole(),
-            enforce_eager=config.enforce_eager,
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            compile_buckets=config.compile_buckets,
-            fuse_linears=config.fuse_linears,
+            config,
             cache=cache,
             attention_backend=self.attention_backend,
             tensor_parallel=tensor_parallel,
-            device=device,
+            compiler=self._compiler_process(config, cache, kv_caches),
         )
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
@@ -122,6 +119,22 @@ class ModelRunner:
         self._previous: LaunchedStep | None = None
         self._in_flight: deque[LaunchedStep] = deque()
         self.timeline = RunnerTimeline()
+
+    @staticmethod
+    def _compiler_process(
+        config: EngineConfig, cache: CompileCache | None, kv_caches: list[torch.Tensor]
+    ) -> CompilerProcess | None:
+        """How to start the background compiler (worker/graph_compiler_process.py), for the
+        "background" policy; it rebuilds this runner's step graph in its own process."""
+        if config.enforce_eager or config.compile_policy != "background" or cache is None:
+            return None
+        from compiled_engine.worker.graph_compiler_process import CompileJob
+
+        job = CompileJob(
+            config=dataclasses.replace(config, cache_dir=str(cache.root)),
+            kv_cache_shapes=tuple(tuple(c.shape) for c in kv_caches),
+        )
+        return CompilerProcess("compiled_engine.worker.graph_compiler_process", job)
 
     def add_request(
         self,
@@ -225,6 +238,7 @@ class ModelRunner:
         generators = tuple(self._generator_for(r) for r in sampled)
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
+        step_number = self.timeline.num_steps
         self.timeline.prepare_s += time.perf_counter() - started
 
         def work() -> None:
@@ -234,6 +248,7 @@ class ModelRunner:
             )
             # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
             logits = self.step_graph(inputs)
+            self.timeline.record_graph_call(step_number, self.step_graph.last_call)
             k = len(sampled)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
@@ -304,6 +319,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self.stream.close()
+        self.step_graph.close()
 
 
 def _copy_logprobs(

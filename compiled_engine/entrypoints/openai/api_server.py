@@ -1,7 +1,7 @@
 """The OpenAI-compatible server: `build_app()` (FastAPI) around an `AsyncLLM`, and `run_server()`,
 what `compiled-engine serve` runs (uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /ready,
 GET /metrics. Errors use OpenAI's JSON shape (errors.py). Shutdown: on SIGTERM or Ctrl-C uvicorn
 stops accepting connections and lets every response in flight (streams included) finish, then
 the app's lifespan ends and the engine shuts down.
@@ -80,6 +80,13 @@ def build_app(
                 HTTPStatus.SERVICE_UNAVAILABLE, "the engine is shut down", type="service_unavailable"
             )
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready():
+        """Serving (requests are accepted), and how many compiled graphs are ready, compiling,
+        failed: with the background compile policy the engine serves before all are built."""
+        graphs = engine.graph_status()
+        return JSONResponse({"serving": engine.is_running and not engine.errored, "graphs": graphs.to_json()})
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -109,6 +109,31 @@ class _EngineStateCollector:
             "1 while the engine loop runs, 0 once it failed.",
             0 if self._engine.errored else 1,
         )
+        graphs = self._engine.graph_status()
+        family = GaugeMetricFamily(
+            PREFIX + "graphs",
+            "Compiled step graphs by state: ready, compiled (loaded on first use), compiling, queued, "
+            "failed, on_demand (built by the first step that needs it).",
+            labels=[*names, "state"],
+        )
+        for state in ("ready", "compiled", "compiling", "queued", "failed", "on_demand"):
+            family.add_metric([*values, state], getattr(graphs, state))
+        yield family
+        yield counter(
+            "graph_wait_steps",
+            "Steps that waited on the request path for their graph to compile or load.",
+            len(stats.graph_waits),
+        )
+        yield counter(
+            "graph_wait_seconds",
+            "Seconds steps waited on the request path for their graphs to compile or load.",
+            sum(w.seconds for w in stats.graph_waits),
+        )
+        yield counter(
+            "graph_fallback_steps",
+            "Steps run on a fallback graph while theirs compiled in the background.",
+            stats.num_fallback_steps,
+        )
         if stats.prefix_caching:  # an engine run without the cache reports none
             for field, doc in _PREFIX_CACHE_COUNTERS.items():
                 yield counter(field, doc, getattr(stats, field))

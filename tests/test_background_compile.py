@@ -1,0 +1,235 @@
+"""compile_policy="background": a cold engine serves at once on fallback graphs while a real
+compiler process (worker/graph_compiler_process.py) builds the missing graphs, and no step ever
+waits on the request path for a compile or a load (the step timeline says so). Plus the three
+failures that must stay warnings: an unwritable cache dir, a killed compiler, a corrupt artifact."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import openai
+import pytest
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.engine.async_llm import AsyncLLM
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine_args import EngineArgs
+from compiled_engine.entrypoints.openai.api_server import build_app
+from compiled_engine.graphs.background_builds import COMPILED, FAILED, LOADING
+from compiled_engine.records.graph_status import graph_label
+from tests.test_server import ServerThread, _get, _metrics
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+# Buckets 1, 4, 16 and the dynamic graph (steps above 16 tokens, up to the 32-token budget).
+BUCKETS = (1, 4, 16)
+SETTINGS = dict(
+    dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, compile_buckets=BUCKETS
+)
+# Batches whose steps walk every graph: prefills of 3, 3x4=12 (bucket 16) and 25+ tokens (the
+# dynamic graph; chunked at 32), decodes of 1 and 2-4 sequences (buckets 1 and 4).
+WORKLOAD = (
+    ["def add(a, b):"],
+    ["x = 1", "y = 2", "print(x)", "z = x + y"],
+    ["import os\nimport sys\nimport json\nimport time\nimport math\nimport re"],
+    ["class A:\n    pass", "for i in range(10):\n    print(i)"],
+)
+
+
+def _run(llm: LLM, batches=WORKLOAD) -> list[list[list[int]]]:
+    return [
+        [list(o.outputs[0].token_ids) for o in llm.generate(list(batch), GREEDY, use_tqdm=False)]
+        for batch in batches
+    ]
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(llama_dir):
+    llm = LLM(llama_dir, enforce_eager=True, **{k: v for k, v in SETTINGS.items() if k != "compile_buckets"})
+    return _run(llm)
+
+
+def _background(llama_dir, cache_dir, **kwargs) -> LLM:
+    return LLM(llama_dir, cache_dir=str(cache_dir), compile_policy="background", **{**SETTINGS, **kwargs})
+
+
+def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(tmp_path, llama_dir, eager_tokens):
+    llm = _background(llama_dir, tmp_path)
+    step = llm.engine.model_runner.step_graph
+    assert step.background is not None
+    first = _run(llm)
+    stats = llm.stats()
+    assert first == eager_tokens
+    assert stats.graph_waits == ()
+    assert stats.num_fallback_steps > 0  # the steps ran while their graphs were still compiling
+
+    assert step.background.wait_until_built(timeout=600)
+    assert step.status().failed == 0
+    for _ in range(2):  # the first pass asks for each graph; once loaded, they are swapped in
+        assert _run(llm) == eager_tokens
+    stats = llm.stats()
+    assert stats.graph_waits == ()
+    assert stats.graphs.ready == stats.graphs.total == 4 and stats.graphs.all_built
+    walked = set()
+    before = stats.num_fallback_steps
+    for batch in WORKLOAD:
+        llm.generate(list(batch), GREEDY, use_tqdm=False)
+        walked.add(step.last_call.ran)
+    assert llm.stats().num_fallback_steps == before  # every step now runs its own graph
+    assert {"1", "4"} <= walked
+
+    # Warm start, in a second process with the same cache: every graph is loaded before LLM()
+    # returns, so the request path loads nothing and runs no fallback.
+    script = textwrap.dedent(
+        f"""
+        import json
+        import openai
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.engine.async_llm import AsyncLLM
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine_args import EngineArgs
+from compiled_engine.entrypoints.openai.api_server import build_app
+        llm = LLM({llama_dir!r}, cache_dir={str(tmp_path)!r}, compile_policy="background", **{SETTINGS!r})
+        status = llm.stats().graphs
+        tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(list(b), SamplingParams(temperature=0.0,
+                  max_tokens=6), use_tqdm=False)] for b in {WORKLOAD!r}]
+        stats = llm.stats()
+        print(json.dumps(dict(ready=status.ready, total=status.total, tokens=tokens,
+                              waits=len(stats.graph_waits), fallbacks=stats.num_fallback_steps,
+                              background=llm.engine.model_runner.step_graph.background is not None)))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warm = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert warm["ready"] == warm["total"] == 4
+    assert warm["waits"] == 0 and warm["fallbacks"] == 0 and warm["background"] is False
+    assert warm["tokens"] == eager_tokens
+
+
+def test_blocking_policy_records_the_steps_that_waited(tmp_path, llama_dir, eager_tokens):
+    llm = LLM(llama_dir, cache_dir=str(tmp_path), compile_policy="blocking", **SETTINGS)
+    step = llm.engine.model_runner.step_graph
+    built_at_start = set(step.builds)  # the warm-up step's graph
+    assert _run(llm) == eager_tokens
+    waits = llm.stats().graph_waits
+    # Every graph built after start-up stalled exactly one step, the first that needed it.
+    built_later = {graph_label(b) for b in step.builds if b not in built_at_start}
+    assert built_later and sorted(w.graph for w in waits) == sorted(built_later)
+    assert all(w.kind == "compile" and w.seconds > 0 for w in waits)
+    assert llm.stats().longest_graph_wait_s == max(w.seconds for w in waits)
+    assert llm.stats().num_fallback_steps == 0
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory, llama_dir):
+    """A compile cache holding every graph of SETTINGS, built before LLM() returned ("ahead")."""
+    root = tmp_path_factory.mktemp("built-cache")
+    llm = LLM(llama_dir, cache_dir=str(root), compile_policy="ahead", **SETTINGS)
+    assert llm.stats().graphs.ready == llm.stats().graphs.total == 4
+    return root
+
+
+def test_a_killed_compiler_is_a_warning_and_steps_keep_their_fallback(
+    tmp_path, llama_dir, eager_tokens, caplog
+):
+    llm = _background(llama_dir, tmp_path)
+    background = llm.engine.model_runner.step_graph.background
+    os.kill(background.pid, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="compiled_engine.graphs.background_builds"):
+        assert background.wait_until_built(timeout=60)
+    assert "killed by signal 9" in caplog.text
+    status = llm.stats().graphs
+    assert status.failed + status.ready == status.total and status.failed > 0
+    assert _run(llm) == eager_tokens
+    assert llm.stats().graph_waits == ()
+
+
+def test_an_unwritable_cache_dir_is_a_warning_and_the_engine_serves(
+    tmp_path, llama_dir, eager_tokens, caplog
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="compiled_engine.graphs.compile_cache"):
+        llm = _background(llama_dir, blocker / "cache")
+    assert "is not writable" in caplog.text
+    assert _run(llm) == eager_tokens
+    assert llm.stats().graph_waits == ()
+    llm.close()
+
+
+def test_a_corrupt_artifact_found_mid_run_is_a_warning_and_its_steps_fall_back(
+    tmp_path, built_cache, llama_dir, eager_tokens, caplog
+):
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    (entry,) = (cache / "entries").iterdir()
+    (entry / "bucket-16.artifact").unlink()  # the one graph the compiler process builds
+    llm = _background(llama_dir, cache)
+    step = llm.engine.model_runner.step_graph
+    assert step.status().ready == 3
+    assert step.background.wait_until_built(timeout=600)
+    assert step.background.state(16) == COMPILED  # compiled; no step has asked for it yet
+    path = step.cache_entry.artifact_path("bucket-16")
+    path.write_bytes(path.read_bytes()[:100])  # the artifact goes bad while the engine runs
+    with caplog.at_level(logging.WARNING):
+        tokens = _run(llm)  # its first step asks for bucket 16: the loader finds it corrupt
+        deadline = time.monotonic() + 60
+        while step.background.state(16) == LOADING and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert tokens == eager_tokens
+    assert step.background.state(16) == FAILED
+    assert "bucket-16.artifact is unusable" in caplog.text
+    assert "graph 16 was compiled in the background but its artifact could not be loaded" in caplog.text
+    assert _run(llm) == eager_tokens  # bucket-16 steps keep running on a fallback graph
+    stats = llm.stats()
+    assert stats.graphs.failed == 1 and stats.graphs.ready == 3 and stats.graph_waits == ()
+
+
+def test_the_server_serves_while_compiling_and_reports_its_graphs(
+    tmp_path, built_cache, llama_dir, eager_tokens
+):
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    (entry,) = (cache / "entries").iterdir()
+    for name in ("bucket-1", "dynamic"):  # two graphs left for the compiler process
+        (entry / f"{name}.artifact").unlink()
+    args = EngineArgs(model=llama_dir, cache_dir=str(cache), compile_policy="background", **SETTINGS)
+    engine = AsyncLLM(LLMEngine(args))
+    server = ServerThread(build_app(engine, served_model_names=["tiny"]))
+    try:
+        assert _get(f"{server.url}/health")[0] == 200
+        status, body = _get(f"{server.url}/ready")
+        ready = json.loads(body)
+        assert status == 200 and ready["serving"] is True
+        graphs = ready["graphs"]
+        assert graphs["policy"] == "background" and graphs["total"] == 4 and graphs["ready"] == 2
+        assert graphs["queued"] + graphs["compiling"] + graphs["compiled"] + graphs["failed"] == 2
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt, expected in zip(WORKLOAD[2], eager_tokens[2], strict=True):
+            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)
+            assert done.choices[0].text == engine.tokenizer.decode(expected)
+        assert engine.graph_status().total == 4
+        assert llm_background(engine).wait_until_built(timeout=600)
+        metrics = _metrics(server.url)
+        assert metrics["compiled_engine:graphs{state=failed}"] == 0
+        assert (
+            metrics["compiled_engine:graphs{state=queued}"]
+            == metrics["compiled_engine:graphs{state=compiling}"]
+            == 0
+        )
+        assert metrics["compiled_engine:graph_wait_steps_total{}"] == 0
+    finally:
+        server.stop()
+
+
+def llm_background(engine: AsyncLLM):
+    return engine._engine.model_runner.step_graph.background
