@@ -66,8 +66,11 @@ def engine_settings(max_positions: int, longest_request: int, max_concurrency: i
 
 
 def load_engine(model_dir: Path, settings: EngineSettings, dtype: str = "float32", **options):
+    """Our engine; a bucket graph is built the first time a step needs it (in a suite's warm-up
+    round), never swapped in by a background compile in the middle of the timed rounds."""
     from compiled_engine import LLM
 
+    options.setdefault("compile_policy", "blocking")
     return LLM(model=str(model_dir), dtype=dtype, **settings.as_kwargs(), **options)
 
 

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=4096,
         num_kv_blocks=args.seqs * (max_len // 16 + 1),
         async_scheduling=False,
+        compile_policy="blocking",  # graphs built in the warm-up steps, not swapped in mid-timing
         attention_backend=args.attention_backend,
     )
     engine = llm.engine

@@ -142,7 +142,7 @@ def _command(name: str):
     "command,cls,without",
     [
         ("generate", EngineArgs, set()),
-        ("warmup", EngineArgs, {"enforce_eager"}),  # warm-up compiles: eager has nothing to compile
+        ("warmup", EngineArgs, {"enforce_eager", "compile_policy"}),  # warm-up builds every graph itself
         ("serve", ServerArgs, set()),
     ],
 )

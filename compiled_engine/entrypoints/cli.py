@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -42,8 +43,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "warmup",
         help="compile every bucket into the compile cache, so later starts with these options are warm",
     )
-    # Warm-up fills the compile cache: an eager engine has nothing to compile.
-    EngineArgs.add_cli_args(warm, skip={"enforce_eager"})
+    # Warm-up fills the compile cache: an eager engine has nothing to compile, and it builds every
+    # graph itself, in this process (no background compiler).
+    EngineArgs.add_cli_args(warm, skip={"enforce_eager", "compile_policy"})
     _add_verbose(warm)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     ServerArgs.add_cli_args(serve)
@@ -55,7 +57,8 @@ def _warmup(args: argparse.Namespace) -> int:
     from compiled_engine.entrypoints.llm import LLM
     from compiled_engine.entrypoints.warmup import format_table, warm_up_buckets
 
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), compile_policy="blocking")
+    llm = LLM.from_engine_args(engine_args)
     runner = llm.engine.model_runner
     rows = warm_up_buckets(runner.step_graph)
     cache_entry = runner.step_graph.cache_entry
