@@ -76,6 +76,7 @@ COMPILED_STEP_VERSION = source_version(
     "compiled_engine.graphs.pass_manager",
 )
 
+# engine_args.py COMPILE_POLICY_CHOICES (a test keeps the two equal; graphs/ does not import it).
 COMPILE_POLICIES = ("background", "blocking", "ahead")
 
 

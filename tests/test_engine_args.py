@@ -13,6 +13,7 @@ import torch
 from compiled_engine import LLM
 from compiled_engine.engine_args import (
     ATTENTION_BACKEND_CHOICES,
+    COMPILE_POLICY_CHOICES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DTYPE_CHOICES,
     EngineArgs,
@@ -20,6 +21,7 @@ from compiled_engine.engine_args import (
 )
 from compiled_engine.entrypoints import cli
 from compiled_engine.graphs.buckets import default_buckets
+from compiled_engine.graphs.compiled_step import COMPILE_POLICIES
 from compiled_engine.kernels.backends import ATTENTION_BACKENDS
 from compiled_engine.model_loader.model_config import FULL_ATTENTION, SUPPORTED_DTYPES, ModelConfig
 
@@ -130,6 +132,7 @@ def test_llm_keywords_are_engine_args_fields_with_the_same_defaults():
 def test_choices_match_what_the_engine_accepts():
     assert ATTENTION_BACKEND_CHOICES == ATTENTION_BACKENDS
     assert set(DTYPE_CHOICES) == {"auto", *SUPPORTED_DTYPES}
+    assert COMPILE_POLICY_CHOICES == COMPILE_POLICIES
 
 
 def _command(name: str):
