@@ -119,10 +119,15 @@ class BackgroundBuilds:
             self.process.stdin.close()
         except OSError:  # it died at once: the watcher reports it
             pass
+        # The threads hold only a weak reference to this object, so dropping the engine ends them
+        # (through the finalizer, which also stops the compiler).
+        me = weakref.ref(self)
         self._watcher = threading.Thread(
-            target=self._watch, args=(receiver,), name="graph-compiler-watch", daemon=True
+            target=_watch, args=(me, receiver, self.process), name="graph-compiler-watch", daemon=True
         )
-        self._loader = threading.Thread(target=self._load_loop, name="graph-loader", daemon=True)
+        self._loader = threading.Thread(
+            target=_load_loop, args=(me, self._load_requests), name="graph-loader", daemon=True
+        )
         self._watcher.start()
         self._loader.start()
         self._finalizer = weakref.finalize(self, _stop, self.process, self._load_requests)
@@ -183,88 +188,110 @@ class BackgroundBuilds:
         """Stop the compiler process and the loader (what is compiled stays in the cache)."""
         self._finalizer()
 
-    # -- the two threads ------------------------------------------------------------------------------------
+    # -- what the two threads do (module functions below run them) -----------------------------------------
 
-    def _watch(self, receiver: Connection) -> None:
-        """Read the compiler's reports until it exits; then fail whatever it left unfinished."""
-        reason = None
-        try:
-            while True:
-                try:
-                    message = receiver.recv()
-                except (EOFError, OSError):
-                    break
-                kind, bucket, detail = (*message, None)[:3]
-                if kind == "compiling":
-                    self._set(bucket, COMPILING)
-                elif kind == "compiled":
-                    self._set(bucket, COMPILED)
-                    logger.info("background compile of graph %s done in %.1f s", graph_label(bucket), detail)
-                elif kind == "failed":
-                    self._set(bucket, FAILED)
-                    logger.warning(
-                        "background compile of graph %s failed; its steps keep running on a fallback "
-                        "graph: %s",
-                        graph_label(bucket),
-                        detail,
-                    )
-                elif kind == "abort":
-                    reason = f"it gave up: {detail}"
-                    break
-        finally:
-            receiver.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
+    def _on_report(self, kind: str, bucket: Bucket, detail: Any) -> str | None:
+        """One report of the compiler; returns why it gave up, if it did."""
+        if kind == "compiling":
+            self._set(bucket, COMPILING)
+        elif kind == "compiled":
+            self._set(bucket, COMPILED)
+            logger.info("background compile of graph %s done in %.1f s", graph_label(bucket), detail)
+        elif kind == "failed":
+            self._set(bucket, FAILED)
+            logger.warning(
+                "background compile of graph %s failed; its steps keep running on a fallback graph: %s",
+                graph_label(bucket),
+                detail,
+            )
+        elif kind == "abort":
+            return f"it gave up: {detail}"
+        return None
+
+    def _on_compiler_exit(self, reason: str | None) -> None:
+        """The compiler is gone: whatever it had not finished fails."""
         with self._lock:
             left = [b for b, s in self._states.items() if s in (QUEUED, COMPILING)]
             for bucket in left:
                 self._states[bucket] = FAILED
-        if left:
-            if reason is None:
-                code = self.process.returncode
-                reason = (
-                    f"it was killed by signal {-code}"
-                    if code is not None and code < 0
-                    else f"it exited ({code})"
-                )
-            logger.warning(
-                "the background graph compiler (pid %s) stopped before graphs %s were built: %s. Their "
-                "steps keep running on fallback graphs; `compiled-engine warmup` builds them ahead of time.",
-                self.process.pid,
-                ", ".join(graph_label(b) for b in left),
-                reason,
+        if not left:
+            return
+        if reason is None:
+            code = self.process.returncode
+            reason = (
+                f"it was killed by signal {-code}" if code is not None and code < 0 else f"it exited ({code})"
             )
+        logger.warning(
+            "the background graph compiler (pid %s) stopped before graphs %s were built: %s. Their "
+            "steps keep running on fallback graphs; `compiled-engine warmup` builds them ahead of time.",
+            self.process.pid,
+            ", ".join(graph_label(b) for b in left),
+            reason,
+        )
 
-    def _load_loop(self) -> None:
-        while True:
-            request = self._load_requests.get()
-            if request is None:  # closed
-                return
-            (bucket,) = request
-            try:
-                loaded = self._load(bucket)
-            except Exception as exc:  # noqa: BLE001 - a bad artifact must not end the loader
-                logger.warning("loading graph %s failed: %r", graph_label(bucket), exc)
-                loaded = None
-            with self._lock:
-                if loaded is None:
-                    self._states[bucket] = FAILED
-                else:
-                    self._states[bucket] = READY
-                    self._ready.append((bucket, loaded))
+    def _load_one(self, bucket: Bucket) -> None:
+        try:
+            loaded = self._load(bucket)
+        except Exception as exc:  # noqa: BLE001 - a bad artifact must not end the loader
+            logger.warning("loading graph %s failed: %r", graph_label(bucket), exc)
+            loaded = None
+        with self._lock:
             if loaded is None:
-                logger.warning(
-                    "graph %s was compiled in the background but its artifact could not be loaded; its "
-                    "steps keep running on a fallback graph",
-                    graph_label(bucket),
-                )
+                self._states[bucket] = FAILED
+            else:
+                self._states[bucket] = READY
+                self._ready.append((bucket, loaded))
+        if loaded is None:
+            logger.warning(
+                "graph %s was compiled in the background but its artifact could not be loaded; its "
+                "steps keep running on a fallback graph",
+                graph_label(bucket),
+            )
 
     def _set(self, bucket: Bucket, state: str) -> None:
         with self._lock:
             if bucket in self._states:
                 self._states[bucket] = state
+
+
+def _watch(
+    builds_ref: weakref.ref[BackgroundBuilds], receiver: Connection, process: subprocess.Popen[bytes]
+) -> None:
+    """The watcher thread: read the compiler's reports until it exits."""
+    reason = None
+    try:
+        while reason is None:
+            try:
+                message = receiver.recv()
+            except (EOFError, OSError):
+                break
+            builds = builds_ref()
+            if builds is None:  # the engine is gone (its finalizer stops the compiler)
+                return
+            reason = builds._on_report(*(*message, None)[:3])
+            del builds
+    finally:
+        receiver.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    builds = builds_ref()
+    if builds is not None:
+        builds._on_compiler_exit(reason)
+
+
+def _load_loop(
+    builds_ref: weakref.ref[BackgroundBuilds], requests: queue.SimpleQueue[tuple[Bucket] | None]
+) -> None:
+    """The loader thread: load each graph a step asked for, off the step's thread."""
+    while True:
+        request = requests.get()
+        builds = builds_ref()
+        if request is None or builds is None:  # closed, or the engine is gone
+            return
+        builds._load_one(request[0])
+        del builds
 
 
 def _stop(process: subprocess.Popen[bytes], load_requests: queue.SimpleQueue[tuple[Bucket] | None]) -> None:

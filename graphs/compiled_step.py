@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -192,8 +193,13 @@ class CompiledStep:
             assert compiler is not None and self.store is not None
             # The eager fallback runs the traced graph; its weights are the loaded graphs' too.
             self._trace()
+            # A weak hold on this step: its background threads must not keep the model alive.
+            load_weakly = weakref.WeakMethod(self._load)
             self.background = BackgroundBuilds(
-                compiler, background_order(missing), str(self.store.entry.dir), self._load
+                compiler,
+                background_order(missing),
+                str(self.store.entry.dir),
+                lambda bucket: (load := load_weakly()) and load(bucket),
             )
 
     # The StepGraph protocol (graphs/step_graph.py).

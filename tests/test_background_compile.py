@@ -5,6 +5,7 @@ failures that must stay warnings: an unwritable cache dir, a killed compiler, a 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import openai
 import pytest
@@ -230,3 +232,13 @@ def test_the_server_serves_while_compiling_and_reports_its_graphs(
 
 def llm_background(engine: AsyncLLM):
     return engine._engine.model_runner.step_graph.background
+
+
+def test_dropping_the_engine_stops_its_compiler_and_frees_the_model(tmp_path, llama_dir):
+    llm = _background(llama_dir, tmp_path)
+    step = weakref.ref(llm.engine.model_runner.step_graph)
+    process = llm.engine.model_runner.step_graph.background.process
+    del llm
+    gc.collect()
+    assert step() is None  # the background threads hold no reference to the step or its model
+    assert process.wait(timeout=30) is not None
