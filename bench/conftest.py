@@ -89,6 +89,8 @@ class BenchSession:
         self._hf: dict[str, object] = {}
         # Median cold start-up seconds of ours per model, for the warm/cold check.
         self.cold_startup_s: dict[str, float] = {}
+        # The compile cache the last cold start-up round filled, per model: the warm rounds' start.
+        self.cold_cache_dirs: dict[str, Path] = {}
 
     def model_dir(self, name: str) -> Path:
         model = resolve_model(name)
