@@ -16,18 +16,34 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+# Every section but "Tensor parallel, 2 ranks vs 1" (a third of the run): the default run checks the
+# same 2-rank compiled engine against one rank on gloo in tests/test_tensor_parallel.py
+# (test_two_ranks_compiled_match_one_rank[qwen3]); the section itself runs under -m slow below.
+ALL_BUT_TENSOR_PARALLEL = "environment,attention,graphs,models,engine start,parity,timings"
+
+
+def _quick(tmp_path_factory, only: str):
     out = tmp_path_factory.mktemp("gpu-check") / "report.md"
     # The environment (TORCHINDUCTOR_CACHE_DIR from tests/conftest.py included) is inherited.
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--out", str(out)]
+        + ["--only", only],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     return proc, out
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    return _quick(tmp_path_factory, ALL_BUT_TENSOR_PARALLEL)
+
+
+@pytest.fixture(scope="module")
+def quick_tensor_parallel_run(tmp_path_factory):
+    return _quick(tmp_path_factory, "tensor parallel")
 
 
 def test_quick_run_passes_parity_eager_and_compiled(quick_run):
@@ -209,7 +225,22 @@ def test_error_lines_keep_python_frames_of_the_innermost_cause():
     assert not any("frame #3" in line for line in lines)
 
 
-def test_quick_run_checks_tensor_parallel_on_gloo(quick_run):
+def test_the_default_quick_run_leaves_out_only_the_tensor_parallel_section(quick_run, tmp_path):
+    import torch
+
+    from bench.gpu_check import Budget, parse_args, plan_sections
+
     proc, _ = quick_run
+    assert "### Tensor parallel" not in proc.stdout
+    planned = {s.title for s in plan_sections(parse_args(["--device", "cpu", "--quick"]), torch.device("cpu"),
+                                                Budget(60.0), tmp_path)}  # fmt: skip
+    run = set(re.findall(r"^### (.*)$", proc.stdout, re.MULTILINE))
+    assert planned - run == {"Tensor parallel, 2 ranks vs 1"}, (planned, run)
+
+
+@pytest.mark.slow
+def test_quick_run_checks_tensor_parallel_on_gloo(quick_tensor_parallel_run):
+    proc, _ = quick_tensor_parallel_run
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert "### Tensor parallel, 2 ranks vs 1" in proc.stdout
     assert "- TP=2 vs TP=1: 4 of 4 prompts identical" in proc.stdout

@@ -49,7 +49,9 @@ class FusingCompiler:
         return frozen_callable(gm, freeze.kept_input_indices, len(example_inputs))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# Slow: llama's q,k,v,o,gate,up,down groups are fused the same way in qwen3 (which adds q/k norms
+# between them) and qwen2 (which adds q/k/v biases), both in the default run.
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen2", "qwen3"])
 def test_fused_capture_matches_unfused(arch: str) -> None:
     model = make_model(arch)
     paged = PagedBatch()

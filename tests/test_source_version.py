@@ -84,10 +84,13 @@ def test_the_key_is_stable_across_processes() -> None:
     here = manifest_key(
         build_manifest(torch.nn.Linear(4, 3), OPTIONS, torch.device("cpu"), step_component_versions(True))
     )
-    keys = [
-        subprocess.run([sys.executable, "-c", KEY_SCRIPT], capture_output=True, text=True, check=True).stdout
+    # Both processes at once: each spends its time importing torch, on a core of its own.
+    procs = [
+        subprocess.Popen([sys.executable, "-c", KEY_SCRIPT], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
+    keys = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
     assert [k.strip() for k in keys] == [here, here]
 
 

@@ -235,7 +235,16 @@ ENGINE = dict(
 )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        # Slow: the qwen3 case runs the same 2-rank compiled path on the llama layout plus per-head
+        # q/k norms; llama on 2 ranks stays in the default run, eager, in
+        # test_the_cli_generates_the_same_text_with_two_ranks and the worker-lifecycle tests below.
+        pytest.param("llama", marks=pytest.mark.slow),
+        "qwen3",
+    ],
+)
 def test_two_ranks_compiled_match_one_rank(model_dirs, arch):
     model_dir = model_dirs[arch]
     prompts = _prompts(384, 10, seed=3)
@@ -318,24 +327,23 @@ def test_a_failed_start_leaves_no_worker_behind(llama_dir):
         LLM(llama_dir, tensor_parallel_size=0, **ENGINE)
 
 
-def test_the_cli_generates_the_same_text_with_two_ranks(llama_dir):
+def test_the_cli_generates_the_same_text_with_two_ranks(llama_dir, capsys):
     # The console script is the spawned workers' parent here: its main module must be import-safe.
     import subprocess
     import sys
     from pathlib import Path
 
+    from compiled_engine.entrypoints import cli as cli_module
+
+    argv = ["generate", "def add(a, b):", "--model", llama_dir, "--max-tokens", "12"]
+    argv += ["--enforce-eager", "--device", "cpu", "--tensor-parallel-size"]
+    # One rank spawns nothing: the same CLI code in this process gives the reference text.
+    assert cli_module.main([*argv, "1"]) == 0
+    texts = [capsys.readouterr().out]
     cli = Path(sys.executable).parent / "compiled-engine"
-    texts = []
-    for size in (1, 2):
-        proc = subprocess.run(
-            [str(cli), "generate", "def add(a, b):", "--model", llama_dir, "--max-tokens", "12"]
-            + ["--enforce-eager", "--device", "cpu", "--tensor-parallel-size", str(size)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        texts.append(proc.stdout)
+    proc = subprocess.run([str(cli), *argv, "2"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    texts.append(proc.stdout)
     assert texts[0] == texts[1] and texts[0].startswith("def add(a, b):")
 
 

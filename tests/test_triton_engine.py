@@ -18,7 +18,12 @@ def hf_tokens(llama_dir):
     return hf_greedy_tokens(llama_dir)
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+# Slow: the eager case runs the same Triton kernel through the same select_attention_backend pass
+# (checked on a captured graph by test_pass_select_attention_backend.py) on the eager path that
+# test_parity.py runs every default run; the compiled case stays.
+@pytest.mark.parametrize(
+    "enforce_eager", [pytest.param(True, marks=pytest.mark.slow), False], ids=["eager", "compiled"]
+)
 def test_triton_backend_matches_hf_greedy(llama_dir, hf_tokens, enforce_eager, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if not triton.knobs.runtime.interpret:
