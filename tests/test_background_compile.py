@@ -26,7 +26,6 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.entrypoints.openai.api_server import build_app
 from compiled_engine.graphs.background_builds import COMPILED, FAILED, LOADING
-from compiled_engine.records.graph_status import graph_label
 from tests.test_server import ServerThread, _get, _metrics
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -114,18 +113,26 @@ def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(tmp_path, llam
     assert warm["tokens"] == eager_tokens
 
 
-def test_blocking_policy_records_the_steps_that_waited(tmp_path, llama_dir, eager_tokens):
-    llm = LLM(llama_dir, cache_dir=str(tmp_path), compile_policy="blocking", **SETTINGS)
-    step = llm.engine.model_runner.step_graph
-    built_at_start = set(step.builds)  # the warm-up step's graph
+def test_blocking_policy_records_the_step_that_waited(tmp_path, built_cache, llama_dir, eager_tokens):
+    cache = _copy_without(built_cache, tmp_path, "bucket-1")
+    llm = LLM(llama_dir, cache_dir=str(cache), compile_policy="blocking", **SETTINGS)
+    assert llm.stats().graphs.on_demand == 1
     assert _run(llm) == eager_tokens
-    waits = llm.stats().graph_waits
-    # Every graph built after start-up stalled exactly one step, the first that needed it.
-    built_later = {graph_label(b) for b in step.builds if b not in built_at_start}
-    assert built_later and sorted(w.graph for w in waits) == sorted(built_later)
-    assert all(w.kind == "compile" and w.seconds > 0 for w in waits)
-    assert llm.stats().longest_graph_wait_s == max(w.seconds for w in waits)
-    assert llm.stats().num_fallback_steps == 0
+    # The first one-sequence decode compiled bucket 1 on the request path: a stall, on the timeline.
+    (wait,) = llm.stats().graph_waits
+    assert (wait.graph, wait.kind) == ("1", "compile") and wait.seconds > 0
+    assert llm.stats().longest_graph_wait_s == wait.seconds
+    assert llm.stats().num_fallback_steps == 0 and llm.stats().graphs.all_built
+
+
+def _copy_without(built_cache, tmp_path, *names: str):
+    """A copy of the built cache without these graphs' artifacts."""
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    (entry,) = (cache / "entries").iterdir()
+    for name in names:
+        (entry / f"{name}.artifact").unlink()
+    return cache
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +175,7 @@ def test_an_unwritable_cache_dir_is_a_warning_and_the_engine_serves(
 def test_a_corrupt_artifact_found_mid_run_is_a_warning_and_its_steps_fall_back(
     tmp_path, built_cache, llama_dir, eager_tokens, caplog
 ):
-    cache = tmp_path / "cache"
-    shutil.copytree(built_cache, cache)
-    (entry,) = (cache / "entries").iterdir()
-    (entry / "bucket-16.artifact").unlink()  # the one graph the compiler process builds
+    cache = _copy_without(built_cache, tmp_path, "bucket-16")  # the one graph the compiler builds
     llm = _background(llama_dir, cache)
     step = llm.engine.model_runner.step_graph
     assert step.status().ready == 3
@@ -196,11 +200,7 @@ def test_a_corrupt_artifact_found_mid_run_is_a_warning_and_its_steps_fall_back(
 def test_the_server_serves_while_compiling_and_reports_its_graphs(
     tmp_path, built_cache, llama_dir, eager_tokens
 ):
-    cache = tmp_path / "cache"
-    shutil.copytree(built_cache, cache)
-    (entry,) = (cache / "entries").iterdir()
-    for name in ("bucket-1", "dynamic"):  # two graphs left for the compiler process
-        (entry / f"{name}.artifact").unlink()
+    cache = _copy_without(built_cache, tmp_path, "dynamic")  # one graph left for the compiler process
     args = EngineArgs(model=llama_dir, cache_dir=str(cache), compile_policy="background", **SETTINGS)
     engine = AsyncLLM(LLMEngine(args))
     server = ServerThread(build_app(engine, served_model_names=["tiny"]))
@@ -210,8 +210,8 @@ def test_the_server_serves_while_compiling_and_reports_its_graphs(
         ready = json.loads(body)
         assert status == 200 and ready["serving"] is True
         graphs = ready["graphs"]
-        assert graphs["policy"] == "background" and graphs["total"] == 4 and graphs["ready"] == 2
-        assert graphs["queued"] + graphs["compiling"] + graphs["compiled"] + graphs["failed"] == 2
+        assert graphs["policy"] == "background" and graphs["total"] == 4 and graphs["ready"] == 3
+        assert graphs["queued"] + graphs["compiling"] + graphs["compiled"] + graphs["failed"] == 1
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         for prompt, expected in zip(WORKLOAD[2], eager_tokens[2], strict=True):
             done = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)
@@ -234,8 +234,8 @@ def llm_background(engine: AsyncLLM):
     return engine._engine.model_runner.step_graph.background
 
 
-def test_dropping_the_engine_stops_its_compiler_and_frees_the_model(tmp_path, llama_dir):
-    llm = _background(llama_dir, tmp_path)
+def test_dropping_the_engine_stops_its_compiler_and_frees_the_model(tmp_path, built_cache, llama_dir):
+    llm = _background(llama_dir, _copy_without(built_cache, tmp_path, "bucket-4"))
     step = weakref.ref(llm.engine.model_runner.step_graph)
     process = llm.engine.model_runner.step_graph.background.process
     del llm
