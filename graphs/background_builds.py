@@ -1,6 +1,6 @@
 """Bucket graphs compiled in a background process while the engine serves on fallback graphs.
 
-`BackgroundBuilds(compiler, buckets, load)` starts the compiler in a fresh interpreter
+`BackgroundBuilds(compiler, buckets, entry_dir, load)` starts the compiler in a fresh interpreter
 (`CompilerProcess`; worker/graph_compiler_process.py: it loads the model, builds the
 same compile-cache entry and compiles each bucket into it, niced below the serving process) and
 watches its pipe on a thread. Per bucket the state moves
@@ -180,7 +180,7 @@ class BackgroundBuilds:
         )
 
     def wait_until_built(self, timeout: float | None = None) -> bool:
-        """Block until the compiler has finished with every bucket (tests, `ahead`); True if it has."""
+        """Block until the compiler has finished with every bucket (tests, tools); True if it has."""
         self._watcher.join(timeout)
         return not self._watcher.is_alive()
 

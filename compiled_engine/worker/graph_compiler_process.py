@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.graphs.background_builds import (
@@ -31,6 +32,9 @@ from compiled_engine.graphs.background_builds import (
     compiling_message,
     failed_message,
 )
+
+if TYPE_CHECKING:
+    from compiled_engine.graphs.step_graph import StepGraph
 
 # Nice value of the compiler process: the lowest priority Linux has.
 COMPILER_NICENESS = 19
@@ -82,7 +86,7 @@ def compile_missing_buckets(job: CompileJob, buckets: list[Bucket], entry_dir: s
     conn.close()
 
 
-def _build_step_graph(job: CompileJob):  # -> StepGraph
+def _build_step_graph(job: CompileJob) -> StepGraph:
     import torch
 
     from compiled_engine.model_loader.loader import load_model
