@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import openai
 import pytest
 
 from bench.workloads import BenchRequest, mixed_requests
@@ -96,10 +97,12 @@ class ColdServeResult:
     gaps_over_target: int  # inter-chunk gaps above the 250 ms target, all streams
     num_chunks: int
     graph_counters: dict[str, float]
-    ready_at_start: dict
+    first_ready_answer_s: float  # how long the first /ready, asked as /health answered, took
+    ready_at_start: dict  # the graphs as that first /ready saw them
     ready_at_end: dict
-    # /ready sampled during the run: (seconds from /health, graphs ready, compiling, queued).
-    ready_timeline: list[tuple[float, int, int, int]]
+    # /ready sampled during the run: (asked, answered: seconds from /health; graphs ready, compiled,
+    # compiling, queued).
+    ready_timeline: list[tuple[float, float, int, int, int, int]]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -117,9 +120,8 @@ def summarise(
     streams: list[StreamRecord],
     startup_s: float,
     graph_counters: dict[str, float],
-    ready_at_start: dict,
     ready_at_end: dict,
-    ready_timeline: list,
+    ready_samples: list[tuple[float, float, dict]],
 ) -> ColdServeResult:
     ttfts = [s.chunk_at[0] - s.sent_at for s in streams]
     gaps: list[tuple[float, float]] = []  # (gap, when it ended)
@@ -140,9 +142,13 @@ def summarise(
         gaps_over_target=sum(g > TARGET_LONGEST_STALL_S for g in itls),
         num_chunks=sum(len(s.chunk_at) for s in streams),
         graph_counters=graph_counters,
-        ready_at_start=ready_at_start,
+        first_ready_answer_s=ready_samples[0][1] - ready_samples[0][0],
+        ready_at_start=ready_samples[0][2],
         ready_at_end=ready_at_end,
-        ready_timeline=ready_timeline,
+        ready_timeline=[
+            (asked, answered, g["ready"], g["compiled"], g["compiling"], g["queued"])
+            for asked, answered, g in ready_samples
+        ],
     )
 
 
@@ -181,7 +187,7 @@ class ColdServer:
         self.launched = time.perf_counter()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.url = ""
 
@@ -244,27 +250,29 @@ async def _stream_one(client, request: BenchRequest, send_at: float, t0: float) 
 
 
 async def _sample_ready(url: str, t0: float, into: list, every_s: float = 0.5) -> None:
+    """/ready every `every_s`, from the moment /health answered: the graphs' states over the run,
+    and how long the server took to answer (a stalled server answers late)."""
     while True:
-        try:
-            _, body = await asyncio.to_thread(_get, f"{url}/ready")
-            graphs = json.loads(body)["graphs"]
-            into.append((time.perf_counter() - t0, graphs["ready"], graphs["compiling"], graphs["queued"]))
-        except OSError:
-            pass
+        asked = time.perf_counter() - t0
+        _, body = await asyncio.to_thread(_get, f"{url}/ready")
+        into.append((asked, time.perf_counter() - t0, json.loads(body)["graphs"]))
         await asyncio.sleep(every_s)
 
 
 async def run_workload(
-    url: str, requests: list[BenchRequest], arrivals: list[float], t0: float, ready_timeline: list
+    url: str, requests: list[BenchRequest], arrivals: list[float], t0: float, ready_samples: list
 ):
-    import openai
-
     # The client's default pool (1000 connections) holds every stream at once.
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
-    sampler = asyncio.create_task(_sample_ready(url, t0, ready_timeline))
+    sampler = asyncio.create_task(_sample_ready(url, t0, ready_samples))
     try:
         streams = (_stream_one(client, r, at, t0) for r, at in zip(requests, arrivals, strict=True))
-        return await asyncio.gather(*streams)
+        records = await asyncio.gather(*streams)
+        while not ready_samples:  # the first /ready may answer after a short workload ends
+            if sampler.done():
+                sampler.result()  # raises what stopped it
+            await asyncio.sleep(0.05)
+        return records
     finally:
         sampler.cancel()
         await client.close()
@@ -290,9 +298,8 @@ def serve_cold_once(model_dir: Path, policy: str, dtype: str, cache_root: Path, 
     try:
         startup_s = server.wait_healthy()
         t0 = time.perf_counter()  # serving has started: every time below counts from here
-        ready_at_start = json.loads(_get(f"{server.url}/ready")[1])["graphs"]
-        ready_timeline: list = []
-        streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_timeline))
+        ready_samples: list = []
+        streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_samples))
         counters = _graph_counters(_get(f"{server.url}/metrics")[1])
         ready_at_end = json.loads(_get(f"{server.url}/ready")[1])["graphs"]
     except BaseException:
@@ -303,7 +310,7 @@ def serve_cold_once(model_dir: Path, policy: str, dtype: str, cache_root: Path, 
     for s in streams:
         assert s.completion_tokens == s.expected_tokens, (s.completion_tokens, s.expected_tokens)
         assert s.chunk_at, "a stream ended without a token"
-    return summarise(streams, startup_s, counters, ready_at_start, ready_at_end, ready_timeline), streams
+    return summarise(streams, startup_s, counters, ready_at_end, ready_samples), streams
 
 
 @pytest.mark.parametrize("policy", POLICIES)
