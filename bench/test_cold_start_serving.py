@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,10 +173,22 @@ def _graph_counters(metrics_text: str) -> dict[str, float]:
 
 class ColdServer:
     """`compiled-engine serve` on a fresh compile cache and a fresh Inductor cache, in its own
-    process group (the background compiler it starts goes with it)."""
+    process group (the background compiler it starts goes with it). `seed_from`: start from a copy
+    of another run's `cache_root` instead (a warm comparison, bench/cold_serving_variants.py)."""
 
-    def __init__(self, model_dir: Path, policy: str, dtype: str, cache_root: Path, flags: tuple[str, ...]):
-        cache_root.mkdir(parents=True)
+    def __init__(
+        self,
+        model_dir: Path,
+        policy: str,
+        dtype: str,
+        cache_root: Path,
+        flags: tuple[str, ...],
+        seed_from: Path | None = None,
+    ):
+        if seed_from is None:
+            cache_root.mkdir(parents=True)
+        else:
+            shutil.copytree(seed_from, cache_root)
         self.log_path = cache_root / "serve.log"
         env = dict(os.environ, TQDM_DISABLE="1", TORCHINDUCTOR_CACHE_DIR=str(cache_root / "inductor"))
         env.pop("COMPILED_ENGINE_COMPILE_POLICY", None)
@@ -290,11 +303,18 @@ def seeded_workload(sizes: ColdServeSizes, vocab_size: int, max_model_len: int):
     return requests, arrivals
 
 
-def serve_cold_once(model_dir: Path, policy: str, dtype: str, cache_root: Path, sizes: ColdServeSizes):
+def serve_cold_once(
+    model_dir: Path,
+    policy: str,
+    dtype: str,
+    cache_root: Path,
+    sizes: ColdServeSizes,
+    seed_from: Path | None = None,
+) -> tuple[ColdServeResult, list[StreamRecord]]:
     config = json.loads((model_dir / "config.json").read_text())
     max_model_len = int(config["max_position_embeddings"])
     requests, arrivals = seeded_workload(sizes, int(config["vocab_size"]), max_model_len)
-    server = ColdServer(model_dir, policy, dtype, cache_root, sizes.server_flags)
+    server = ColdServer(model_dir, policy, dtype, cache_root, sizes.server_flags, seed_from)
     try:
         startup_s = server.wait_healthy()
         t0 = time.perf_counter()  # serving has started: every time below counts from here
