@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -310,11 +311,16 @@ def serve_cold_once(
     cache_root: Path,
     sizes: ColdServeSizes,
     seed_from: Path | None = None,
+    on_launch: Callable[[subprocess.Popen], None] | None = None,
 ) -> tuple[ColdServeResult, list[StreamRecord]]:
+    """One server, one workload. `seed_from`: see ColdServer; `on_launch(process)`: called once the
+    server process exists (bench/cold_serving_variants.py uses both)."""
     config = json.loads((model_dir / "config.json").read_text())
     max_model_len = int(config["max_position_embeddings"])
     requests, arrivals = seeded_workload(sizes, int(config["vocab_size"]), max_model_len)
     server = ColdServer(model_dir, policy, dtype, cache_root, sizes.server_flags, seed_from)
+    if on_launch is not None:
+        on_launch(server.proc)
     try:
         startup_s = server.wait_healthy()
         t0 = time.perf_counter()  # serving has started: every time below counts from here
