@@ -23,6 +23,7 @@ checks that every requested token came.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -42,7 +43,15 @@ import pytest
 
 from bench.workloads import BenchRequest, mixed_requests
 
-POLICIES = ("background", "blocking")
+# Variants: the server's compile policy and any extra flags. "background-chunked" also caps each
+# prompt's chunk per step (`--long-prefill-token-threshold`), so a new request's prefill lengthens
+# the steps of the streams already decoding by at most that many tokens; the same path as
+# "background" otherwise, so the smoke run leaves it out.
+VARIANTS = {
+    "background": ("background", ()),
+    "blocking": ("blocking", ()),
+    "background-chunked": ("background", ("--long-prefill-token-threshold", "32")),
+}
 # The model `compiled-engine serve` runs when given none: what a new user starts first.
 MODEL = "embedded"
 SERVED_NAME = "cold-bench"
@@ -340,9 +349,13 @@ def serve_cold_once(
     return summarise(streams, startup_s, counters, ready_at_end, ready_samples), streams
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_cold_start_serving(benchmark, bench_session, sizes, policy, tmp_path):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cold_start_serving(benchmark, bench_session, sizes, variant, tmp_path):
+    policy, extra_flags = VARIANTS[variant]
+    if extra_flags and sizes.profile == "smoke":
+        pytest.skip("the same path as its policy without the flags: timed at full and quick sizes")
     cold_sizes = COLD_SERVE_SIZES[sizes.profile]
+    cold_sizes = dataclasses.replace(cold_sizes, server_flags=cold_sizes.server_flags + extra_flags)
     model_dir = bench_session.model_dir(MODEL)
     runs = []
     counter = iter(range(1000))
@@ -362,9 +375,11 @@ def test_cold_start_serving(benchmark, bench_session, sizes, policy, tmp_path):
     info.update(
         workload="cold-serving",
         model=MODEL,
-        system=f"ours-{policy}",
+        system=f"ours-{variant}",
         param=cold_sizes.num_requests,
         policy=policy,
+        variant=variant,
+        server_flags=list(cold_sizes.server_flags),
         itl_p99_over_p50=result.itl_p99_s / result.itl_p50_s if result.itl_p50_s else None,
         meets_stall_target=result.longest_stall_s <= TARGET_LONGEST_STALL_S,
         meets_itl_target=result.itl_p99_s <= TARGET_P99_OVER_P50 * result.itl_p50_s,
@@ -372,7 +387,7 @@ def test_cold_start_serving(benchmark, bench_session, sizes, policy, tmp_path):
     )
     benchmark.extra_info.update(info)
     shown = {k: v for k, v in info.items() if k not in ("streams", "ready_timeline")}
-    print(f"\ncold-start serving, policy={policy}: {json.dumps(shown, indent=1)}")
+    print(f"\ncold-start serving, {variant}: {json.dumps(shown, indent=1)}")
     assert result.num_chunks >= len(streams)
     if policy == "background":
         # The point of the policy: no step compiled or loaded its graph on the request path.

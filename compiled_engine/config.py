@@ -33,4 +33,5 @@ class EngineConfig:
     # The name asked for ("auto" too): the runner resolves it, as a backend may build a kernel.
     attention_backend: str
     enable_prefix_caching: bool
+    long_prefill_token_threshold: int  # 0: a prefill takes up to the step budget
     tensor_parallel_size: int

@@ -101,6 +101,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = option(
         None, f"most tokens in one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
+    long_prefill_token_threshold: int = option(
+        0,
+        "most prompt tokens one request prefills per step (0: up to the step budget); a small "
+        "value bounds how much a new prompt lengthens the steps of requests already decoding",
+    )
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(
         None, "KV cache blocks to allocate (default: sized from --kv-cache-memory or the device's memory)"
@@ -164,6 +169,15 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if (
+            isinstance(self.long_prefill_token_threshold, bool)
+            or not isinstance(self.long_prefill_token_threshold, int)
+            or self.long_prefill_token_threshold < 0
+        ):
+            raise ValueError(
+                "long_prefill_token_threshold must be an int >= 0 (0: no limit), "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
@@ -255,6 +269,7 @@ class EngineArgs:
             async_scheduling=async_scheduling,
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             tensor_parallel_size=self.tensor_parallel_size,
         )
 

@@ -129,3 +129,15 @@ def test_greedy_parity_with_chunked_prefill(arch, model_dirs, references):
     excused = compare_with_reference(outputs, references(arch, prompts))
     print(f"{arch}: {excused} near-tie divergences excused")
     assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
+
+
+def test_greedy_parity_with_a_long_prefill_threshold(model_dirs, references):
+    prompts = PROMPTS["llama"]
+    # Every prompt goes in 7-token chunks, each beside the decodes of the requests already running.
+    llm = LLM(model_dirs["llama"], dtype="float32", enforce_eager=True, long_prefill_token_threshold=7)
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    excused = compare_with_reference(outputs, references("llama", prompts))
+    print(f"llama: {excused} near-tie divergences excused")
+    assert llm.stats().num_steps > max(len(p) for p in prompts) // 7
+    assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks

@@ -636,3 +636,38 @@ def test_random_workloads_keep_invariants_and_finish(workload):
     for name, request in live.items():
         assert request.status.finished
         check_finished_request(request, use_eos[name])
+
+
+# --- the long-prefill threshold ------------------------------------------------------------
+
+
+def test_a_long_prefill_threshold_caps_each_prompt_chunk_beside_decodes():
+    scheduler = make_scheduler(long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("decoding", prompt_len=5))
+    out, _ = step(scheduler)
+    assert tokens_per_request(out) == {"decoding": 5}  # under the cap: one chunk
+    scheduler.add_request(make_request("long", prompt_len=30))
+    chunks = []
+    while True:
+        out, _ = step(scheduler)
+        counts = tokens_per_request(out)
+        assert counts["decoding"] == 1  # the running request decodes in every step
+        chunks.append(counts["long"])
+        if sum(chunks) == 30:
+            break
+    assert chunks == [8, 8, 8, 6]  # the step budget (64) would have taken it at once
+    out, _ = step(scheduler)
+    assert tokens_per_request(out) == {"decoding": 1, "long": 1}  # it samples once its prompt is in
+
+
+def test_no_threshold_takes_a_prompt_up_to_the_budget():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("long", prompt_len=30))
+    out, _ = step(scheduler)
+    assert tokens_per_request(out) == {"long": 30}
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True])
+def test_a_bad_long_prefill_threshold_is_refused(value):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 0"):
+        make_scheduler(long_prefill_token_threshold=value)

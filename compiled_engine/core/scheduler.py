@@ -152,6 +152,12 @@ class Scheduler:
         self._forget_computing(step)
         self._release_after_in_flight(step.deferred_blocks)
 
+    @property
+    def _prefill_cap(self) -> int:
+        """Most tokens one request computes this step: the long-prefill threshold, when set."""
+        threshold = self._config.long_prefill_token_threshold
+        return threshold if threshold > 0 else self._config.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         if len(self._in_flight) >= self._config.max_in_flight_steps:
             raise RuntimeError(
@@ -170,7 +176,9 @@ class Scheduler:
                 index += 1  # ends by length once its owed tokens land: no step is spent on it
                 continue
             start = request.num_computed_tokens + request.num_in_flight_tokens
-            num_new_tokens = min(request.num_tokens + request.num_pending_outputs - start, budget)
+            num_new_tokens = min(
+                request.num_tokens + request.num_pending_outputs - start, budget, self._prefill_cap
+            )
             if num_new_tokens <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has no token to compute; "
@@ -195,7 +203,7 @@ class Scheduler:
                 if self._next_block_is_being_computed(request, len(cached_blocks), computing):
                     break  # FCFS: later requests do not overtake the head of the queue
                 num_cached_tokens = len(cached_blocks) * self._config.block_size
-                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget, self._prefill_cap)
                 end = num_cached_tokens + num_new_tokens
                 if not self._kv_cache_manager.allocate_slots(request.request_id, end, cached_blocks):
                     break

@@ -23,6 +23,10 @@ class SchedulerConfig:
     # by default (LLMEngine / LLM `enable_prefix_caching=True`); a bare SchedulerConfig leaves it
     # off, so scheduler tests that reuse one prompt across requests see no sharing.
     enable_prefix_caching: bool = False
+    # Most prompt tokens one request computes per step (0: up to the step budget). vLLM's option
+    # of this name: a long prompt then takes several short chunks, so the steps it shares with
+    # decoding requests stay short (lower tail inter-token latency, longer time to first token).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -36,6 +40,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(
+                f"SchedulerConfig.long_prefill_token_threshold must be an int >= 0, got {threshold!r}"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"SchedulerConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"

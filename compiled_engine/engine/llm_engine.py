@@ -195,6 +195,7 @@ class LLMEngine:
                 num_kv_blocks=num_kv_blocks,
                 max_in_flight_steps=2 if config.async_scheduling else 1,
                 enable_prefix_caching=config.enable_prefix_caching,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             )
         )
         # This rank's runner itself, for tools that read its graphs (`compiled-engine warmup`).
