@@ -191,8 +191,11 @@ class CompiledStep:
             self.compile_buckets(missing, show_progress=True)
         elif missing and policy == "background":
             assert compiler is not None and self.store is not None
-            # The eager fallback runs the traced graph; its weights are the loaded graphs' too.
-            self._trace()
+            if None not in self._artifacts:
+                # The eager fallback runs the traced graph (its weights are the loaded graphs'
+                # too): traced now, not on a step. With the dynamic graph loaded, every step has
+                # a compiled fallback and nothing is traced.
+                self._trace()
             # A weak hold on this step: its background threads must not keep the model alive.
             load_weakly = weakref.WeakMethod(self._load)
             self.background = BackgroundBuilds(

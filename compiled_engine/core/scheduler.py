@@ -3,8 +3,9 @@
 Policy, in one place:
 - The step's token budget goes to RUNNING requests first, oldest first, then to WAITING ones in
   arrival order. A decoding request takes 1 token; one still prefilling (a long prompt, or a
-  recompute after preemption) takes what remains of its known tokens, cut to the budget left,
-  so long prompts are chunked across steps and mix with decodes.
+  recompute after preemption) takes what remains of its known tokens, cut to the budget left
+  (and to `long_prefill_token_threshold` when set), so long prompts are chunked across steps and
+  mix with decodes.
 - A running request that cannot get blocks preempts the NEWEST running request (possibly
   itself): its blocks are freed and it goes back to the HEAD of the queue to recompute
   prompt + outputs later. The oldest request can therefore always take the whole cache, and
