@@ -142,6 +142,11 @@ class BackgroundBuilds:
     def pid(self) -> int | None:
         return self.process.pid
 
+    @property
+    def running(self) -> bool:
+        """Whether the compiler process is still alive."""
+        return self.process.poll() is None
+
     def state(self, bucket: Bucket) -> str | None:
         """The bucket's state, or None when the background compiler does not own it."""
         with self._lock:

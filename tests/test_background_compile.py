@@ -19,6 +19,7 @@ import weakref
 
 import openai
 import pytest
+import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.engine.async_llm import AsyncLLM
@@ -62,12 +63,15 @@ def _background(llama_dir, cache_dir, **kwargs) -> LLM:
 
 
 def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(tmp_path, llama_dir, eager_tokens):
+    threads = torch.get_num_threads()
     llm = _background(llama_dir, tmp_path)
     step = llm.engine.model_runner.step_graph
     assert step.background is not None
     first = _run(llm)
     stats = llm.stats()
     assert first == eager_tokens
+    # While the compiler runs, steps leave it a core (CPU, 2+ threads).
+    assert torch.get_num_threads() == (threads - 1 if threads > 1 else 1)
     assert stats.graph_waits == ()
     assert stats.num_fallback_steps > 0  # the steps ran while their graphs were still compiling
 
@@ -81,6 +85,7 @@ def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(tmp_path, llam
     stats = llm.stats()
     assert stats.graph_waits == ()
     assert stats.graphs.ready == stats.graphs.total == 4 and stats.graphs.all_built
+    assert torch.get_num_threads() == threads  # the compiler is gone: every core serves again
     walked = set()
     before = stats.num_fallback_steps
     for batch in WORKLOAD:
