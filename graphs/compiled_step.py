@@ -20,10 +20,11 @@ It is the compiled implementation of graphs/step_graph.py's `StepGraph`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -178,7 +179,6 @@ class CompiledStep:
         # Captured decode graphs, once capture_graphs() ran (graphs/decode_graphs.py).
         self.decode_graphs = DecodeGraphs(self.runtime, buffers, self.buckets, self.max_num_seqs)
         self.last_call: GraphCall | None = None  # how the latest step ran
-        self._step_threads = torch.get_num_threads()
         self.background: BackgroundBuilds | None = None
         if self.store is not None:
             # Every graph the cache holds, now: a warm engine never loads on the request path.
@@ -199,9 +199,6 @@ class CompiledStep:
                 self._trace()
             # A weak hold on this step: its background threads must not keep the model alive.
             load_weakly = weakref.WeakMethod(self._load)
-            # Steps give the compiler a core while it runs (_share_cores); torch's thread count is
-            # the process's, so it is put back however this step graph ends.
-            weakref.finalize(self, _set_torch_threads, self._step_threads)
             self.background = BackgroundBuilds(
                 compiler,
                 background_order(missing),
@@ -283,7 +280,6 @@ class CompiledStep:
         """Stop the background compiler, if one runs (what it compiled stays in the cache)."""
         if self.background is not None:
             self.background.close()
-            self._share_cores(False)
 
     def step_args(self, inputs: StepInputs) -> list[Any]:
         """The compiled graphs' positional arguments for `inputs` (views of the buffers)."""
@@ -300,7 +296,6 @@ class CompiledStep:
         if self.background is not None:
             for ready, artifact in self.background.take_ready():  # between steps: swap them in
                 self._artifacts[ready] = artifact
-            self._share_cores(self.background.running)
         wanted = self._bucket_of(num_tokens, num_logits)
         graph: int | str | None = wanted
         waited, wait_s = None, 0.0
@@ -330,19 +325,30 @@ class CompiledStep:
                 logits_per_token=True,
             )
         run = self._run_eager if graph == EAGER else self._artifacts[graph]  # type: ignore[index]
-        with torch.no_grad():
+        with torch.no_grad(), self._sharing_cores():
             logits = run(*self._build_args(padded, self.kv_caches))[0]
         return logits[:num_logits]
 
-    def _share_cores(self, compiling: bool) -> None:
-        """While the compiler process runs, steps on the CPU use one thread fewer: the compiler
+    @contextlib.contextmanager
+    def _sharing_cores(self) -> Iterator[None]:
+        """While the compiler process runs, a step on the CPU uses one thread fewer: the compiler
         then has a core of its own instead of preempting one of the step's threads, which every
-        op of the step would wait for (the docs measure it on 2 cores)."""
-        if self.runtime.kind != "cpu" or self._step_threads < 2:
-            return
-        wanted = self._step_threads - 1 if compiling else self._step_threads
-        if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
+        op of the step would wait for (docs/performance.md measures it on 2 cores). Set and put
+        back around each step, on the thread that runs it (torch's count is per thread)."""
+        threads = torch.get_num_threads()
+        share = (
+            self.background is not None
+            and self.background.running
+            and self.runtime.kind == "cpu"
+            and threads > 1
+        )
+        if share:
+            torch.set_num_threads(threads - 1)
+        try:
+            yield
+        finally:
+            if share:
+                torch.set_num_threads(threads)
 
     def _bucket_of(self, num_tokens: int, num_logits: int) -> int | None:
         """The graph a step of this size belongs in: its bucket, or None (the dynamic graph)."""
@@ -460,11 +466,6 @@ class CompiledStep:
         seconds = time.perf_counter() - start
         self.builds[bucket] = BucketBuild(bucket, "loaded", seconds, True, loaded.passes)
         return loaded.run
-
-
-def _set_torch_threads(num_threads: int) -> None:
-    if torch.get_num_threads() != num_threads:
-        torch.set_num_threads(num_threads)
 
 
 def background_order(buckets: Sequence[int | None]) -> list[int | None]:
