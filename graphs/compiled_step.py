@@ -189,7 +189,7 @@ class CompiledStep:
                     self._artifacts[bucket] = loaded
         missing = [b for b in self.all_buckets() if b not in self._artifacts]
         if missing and policy == "ahead":
-            self.compile_buckets(missing, show_progress=True)
+            self.compile_buckets(missing, show_progress=None)
         elif missing and policy == "background":
             assert compiler is not None and self.store is not None
             if None not in self._artifacts:
@@ -248,17 +248,17 @@ class CompiledStep:
         return buckets
 
     def compile_buckets(
-        self, buckets: Sequence[int | None] | None = None, show_progress: bool = False
+        self, buckets: Sequence[int | None] | None = None, show_progress: bool | None = False
     ) -> None:
-        """Build these buckets now (default: all, and the dynamic graph if it can be reached)."""
+        """Build these buckets now (default: all, and the dynamic graph if it can be reached).
+        `show_progress`: a progress bar always (True), on a terminal only (None), or never."""
         if buckets is None:
             buckets = self.all_buckets()
         for bucket in buckets:
             if bucket is not None and bucket not in self.buckets:
                 raise ValueError(f"{bucket} is not one of the buckets {self.buckets}")
-        with tqdm(
-            total=len(buckets), desc="Compiling graphs", unit="graph", disable=not show_progress or None
-        ) as bar:
+        disable = None if show_progress is None else not show_progress
+        with tqdm(total=len(buckets), desc="Building graphs", unit="graph", disable=disable) as bar:
             for bucket in buckets:
                 bar.set_postfix_str(graph_label(bucket))
                 self.artifact(bucket)

@@ -79,7 +79,7 @@ class StepGraph(Protocol):
         ...
 
     def compile_buckets(
-        self, buckets: Sequence[int | None] | None = None, show_progress: bool = False
+        self, buckets: Sequence[int | None] | None = None, show_progress: bool | None = False
     ) -> None:
         """Build (load or compile) these bucket graphs now; default all."""
         ...
@@ -114,7 +114,7 @@ class EagerStepGraph:
         return []
 
     def compile_buckets(
-        self, buckets: Sequence[int | None] | None = None, show_progress: bool = False
+        self, buckets: Sequence[int | None] | None = None, show_progress: bool | None = False
     ) -> None:
         if buckets:
             raise ValueError("the eager path has no bucket graphs")

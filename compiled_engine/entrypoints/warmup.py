@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
 from compiled_engine.graphs.bucket_compiler import BucketBuild, BucketVariant
 from compiled_engine.graphs.pass_manager import PassReport
 from compiled_engine.graphs.step_graph import StepGraph
+from compiled_engine.records.graph_status import graph_label
 
 
 @dataclass(frozen=True)
@@ -30,11 +29,7 @@ class WarmupRow:
 def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupRow]:
     """Build (load or compile) every graph the step can run, with a progress bar."""
     buckets = step.all_buckets()
-    with tqdm(total=len(buckets), desc="Building graphs", unit="graph", disable=not show_progress) as bar:
-        for bucket in buckets:
-            bar.set_postfix_str(_bucket_label(bucket))
-            step.compile_buckets([bucket])
-            bar.update(1)
+    step.compile_buckets(buckets, show_progress=show_progress)
     backend = step.attention_backend.name if step.attention_backend is not None else "torch"
     return [
         WarmupRow(
@@ -42,10 +37,6 @@ def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupR
         )
         for bucket in buckets
     ]
-
-
-def _bucket_label(bucket: int | None) -> str:
-    return "dynamic" if bucket is None else str(bucket)
 
 
 def linears_label(variant: BucketVariant) -> str:
@@ -68,7 +59,7 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
         hit = build.source == "loaded"
         lines.append(
             (
-                _bucket_label(row.bucket),
+                graph_label(row.bucket),
                 "hit" if hit else "miss",
                 linears_label(build.variant),
                 row.attention,
