@@ -20,7 +20,6 @@ chunk with the prefill and are attached to the request's first token.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -155,17 +154,25 @@ class EngineCore(Generic[LaunchedT]):
             if slots is not None:
                 first = chunk.first_position
                 slots[first : first + len(chunk.entries)] = chunk.entries
-        logprobs = {}
+        record_outputs = self.runner.record_outputs
+        logprobs = None
         if runner_output.logprobs is not None:
             logprobs = dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))
+        if logprobs is None and not self._prompt_logprobs:  # most steps: nothing to attach
+            for out in outputs:
+                record_outputs(out.request_id, out.new_token_ids)
+            finished = [out.request_id for out in outputs if out.finished]
+            if finished:
+                self._forget(finished)
+            return outputs
         attached = []
         for out in outputs:
-            self.runner.record_outputs(out.request_id, out.new_token_ids)
-            token_logprobs = logprobs.get(out.request_id)
+            record_outputs(out.request_id, out.new_token_ids)
+            token_logprobs = logprobs.get(out.request_id) if logprobs is not None else None
             if token_logprobs is not None:
-                out = dataclasses.replace(out, new_logprobs=(token_logprobs,))
+                out = out._replace(new_logprobs=(token_logprobs,))
             if out.request_id in self._prompt_logprobs:
-                out = dataclasses.replace(out, prompt_logprobs=self._complete_prompt_logprobs(out.request_id))
+                out = out._replace(prompt_logprobs=self._complete_prompt_logprobs(out.request_id))
             if out.finished:
                 self._forget(out.request_id)
             attached.append(out)

@@ -151,7 +151,12 @@ class KVCacheManager:
         list, shared; a hit waiting in the free queue is taken back out of it, so it counts
         against the free blocks like a new one.
         """
-        if cached_block_ids and request_id in self._request_blocks:
+        if not cached_block_ids:
+            # Most calls, once per running request every step: it mostly owns enough already.
+            blocks = self._request_blocks.get(request_id)
+            if blocks is not None and 0 <= num_total_tokens <= len(blocks) * self._block_size:
+                return True
+        elif request_id in self._request_blocks:
             raise ValueError(f"request {request_id!r} already holds blocks: cache hits start a new list")
         owned = len(self._request_blocks.get(request_id, ())) + len(cached_block_ids)
         num_new = max(0, self.num_blocks_for_tokens(num_total_tokens) - owned)
@@ -173,9 +178,11 @@ class KVCacheManager:
         if not self._enable_caching:
             return
         request_id = request.request_id
+        settled = self._num_settled_blocks.get(request_id, 0)
+        if request.num_computed_tokens // self._block_size <= settled:
+            return  # most calls: no block was completed since the last one
         block_ids = self._request_blocks.get(request_id, ())
         num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
-        settled = self._num_settled_blocks.get(request_id, 0)
         if settled >= num_full:
             return
         hashes = self.block_hashes(request)

@@ -54,15 +54,19 @@ from compiled_engine.core.kv_cache_manager import KVCacheManager, token_range
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.records.engine_core_output import EngineCoreOutput
-from compiled_engine.records.request import Request, RequestStatus
+from compiled_engine.records.request import FINISHED_STATUSES, Request, RequestStatus
 from compiled_engine.records.runner_output import ModelRunnerOutput
 from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+
+RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
 class _InFlightStep:
     output: SchedulerOutput
     requests: dict[str, Request]
+    # The same requests in scheduling order (aligned with output.scheduled): update walks these.
+    ordered: list[Request] = field(default_factory=list)
     # Blocks of requests that ended while this step still read them: freed when it is updated.
     deferred_blocks: list[int] = field(default_factory=list)
     # Keys of the full blocks this step completes (prefix caching): registered when it is updated.
@@ -146,8 +150,7 @@ class Scheduler:
         if not self._in_flight:
             return
         step = self._in_flight.pop()
-        for scheduled in step.output.scheduled:
-            request = step.requests[scheduled.request_id]
+        for scheduled, request in zip(step.output.scheduled, step.ordered, strict=True):
             request.num_in_flight_tokens -= len(scheduled.token_ids)
             request.num_pending_outputs -= scheduled.sample
         self._forget_computing(step)
@@ -167,31 +170,39 @@ class Scheduler:
             )
         budget = self._config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        scheduled_requests: list[Request] = []  # aligned with `scheduled`
         preempted_ids: list[str] = []
         computing: list[bytes] = []  # keys of the full blocks this step completes
+        # Hoisted out of the loop below, which runs once per running request every step.
+        prefill_cap = self._prefill_cap
+        allocate_slots = self._kv_cache_manager.allocate_slots
+        caching = self._config.enable_prefix_caching
+        block_size = self._config.block_size
+        running = self._running
 
         index = 0
-        while index < len(self._running) and budget > 0:
-            request = self._running[index]
-            if request.num_pending_outputs and self._reaches_length_limit(request):
+        while index < len(running) and budget > 0:
+            request = running[index]
+            pending = request.num_pending_outputs
+            if pending and self._reaches_length_limit(request):
                 index += 1  # ends by length once its owed tokens land: no step is spent on it
                 continue
             start = request.num_computed_tokens + request.num_in_flight_tokens
-            num_new_tokens = min(
-                request.num_tokens + request.num_pending_outputs - start, budget, self._prefill_cap
-            )
+            num_new_tokens = min(request.history.num_tokens + pending - start, budget, prefill_cap)
             if num_new_tokens <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has no token to compute; "
                     "update() was not applied to its last step"
                 )
-            if not self._kv_cache_manager.allocate_slots(request.request_id, start + num_new_tokens):
+            if not allocate_slots(request.request_id, start + num_new_tokens):
                 if self._in_flight:
                     return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
             scheduled.append(self._scheduled_request(request, num_new_tokens))
-            computing += self._completed_block_hashes(request, num_new_tokens)
+            scheduled_requests.append(request)
+            if caching and (start + num_new_tokens) // block_size > start // block_size:
+                computing += self._completed_block_hashes(request, num_new_tokens)
             budget -= num_new_tokens
             index += 1
 
@@ -216,6 +227,7 @@ class Scheduler:
                     self.num_prefix_cache_hits += num_cached_tokens
                 self._running.append(request)
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
+                scheduled_requests.append(request)
                 computing += self._completed_block_hashes(request, num_new_tokens)
                 budget -= num_new_tokens
 
@@ -228,12 +240,15 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
         if scheduled:
-            requests = {s.request_id: self._requests[s.request_id] for s in scheduled}
-            for s in scheduled:
-                requests[s.request_id].num_in_flight_tokens += len(s.token_ids)
-                requests[s.request_id].num_pending_outputs += s.sample
-            self._in_flight.append(_InFlightStep(output, requests, computing_block_hashes=computing))
-            self._computing_block_hashes.update(computing)
+            for s, request in zip(scheduled, scheduled_requests, strict=True):
+                request.num_in_flight_tokens += len(s.token_ids)
+                request.num_pending_outputs += s.sample
+            requests = {r.request_id: r for r in scheduled_requests}
+            self._in_flight.append(
+                _InFlightStep(output, requests, scheduled_requests, computing_block_hashes=computing)
+            )
+            if computing:
+                self._computing_block_hashes.update(computing)
         return output
 
     def update(
@@ -259,38 +274,39 @@ class Scheduler:
                 f"{len(runner_output.sampled_token_ids)} token(s)"
             )
         self._in_flight.popleft()
-        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        # The runner's tokens are in the order of the sampling rows (checked above).
+        sampled_tokens = iter(runner_output.sampled_token_ids)
+        cache_computed_blocks = self._kv_cache_manager.cache_computed_blocks
+        caching = self._config.enable_prefix_caching
 
         outputs: list[EngineCoreOutput] = []
         finished_any = False
-        for scheduled_request in scheduler_output.scheduled:
-            request = step.requests[scheduled_request.request_id]
+        for scheduled_request, request in zip(scheduler_output.scheduled, step.ordered, strict=True):
             num_tokens = len(scheduled_request.token_ids)
+            sample = scheduled_request.sample
             request.num_in_flight_tokens -= num_tokens
-            request.num_pending_outputs -= scheduled_request.sample
-            if request.status.finished:
-                self.num_discarded_tokens += scheduled_request.sample
+            request.num_pending_outputs -= sample
+            token_id = next(sampled_tokens) if sample else None
+            current = request.status
+            if current is not RUNNING and current in FINISHED_STATUSES:
+                self.num_discarded_tokens += sample
                 continue
             request.num_computed_tokens += num_tokens
-            self._kv_cache_manager.cache_computed_blocks(request)
-            if not scheduled_request.sample:
+            if caching:
+                cache_computed_blocks(request)
+            if token_id is None:
                 continue
-            token_id = sampled[request.request_id]
             request.history.append(token_id)
             status, stop_reason = self._stop_status(request, token_id)
             if status is not None:
                 request.stop_reason = stop_reason
                 self._finish(request, status)
                 finished_any = True
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=(token_id,),
-                    finished=status is not None,
-                    finish_reason=status.finish_reason if status is not None else None,
-                    stop_reason=stop_reason,
+                outputs.append(
+                    EngineCoreOutput(request.request_id, (token_id,), True, status.finish_reason, stop_reason)
                 )
-            )
+            else:
+                outputs.append(EngineCoreOutput(request.request_id, (token_id,), False, None, None))
         self._forget_computing(step)
         self._kv_cache_manager.block_pool.free(step.deferred_blocks)
         if finished_any:
@@ -378,18 +394,24 @@ class Scheduler:
     def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new_tokens
-        known = request.num_tokens
-        token_ids = token_range(request, start, min(end, known))
-        if end > known:  # tokens steps in flight are sampling right now
-            token_ids += (PLACEHOLDER_TOKEN_ID,) * (end - max(start, known))
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            start_position=start,
-            block_ids=self._kv_cache_manager.get_block_ids(request.request_id),
-            sample=end == known + request.num_pending_outputs,
-            sampling_params=request.sampling_params,
-            num_output_tokens=len(request.output_token_ids) + request.num_pending_outputs,
+        known = request.history.num_tokens
+        history = request.history
+        outputs = history.output_token_ids
+        if start == known - 1 and end == known:  # a decode step: the newest known token
+            token_ids: tuple[int, ...] = (outputs[-1] if outputs else history.prompt_token_ids[-1],)
+        else:
+            token_ids = token_range(request, start, min(end, known))
+            if end > known:  # tokens steps in flight are sampling right now
+                token_ids += (PLACEHOLDER_TOKEN_ID,) * (end - max(start, known))
+        pending = request.num_pending_outputs
+        return ScheduledRequest(  # by position: the keyword form costs more, once per request a step
+            request.request_id,
+            token_ids,
+            start,
+            self._kv_cache_manager.get_block_ids(request.request_id),
+            end == known + pending,
+            request.sampling_params,
+            len(outputs) + pending,
         )
 
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
@@ -398,9 +420,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED, token_id
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
-        if len(request.output_token_ids) >= params.max_tokens:
+        history = request.history
+        if len(history.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
-        if request.num_tokens >= self._config.max_model_len:
+        if history.num_tokens >= self._config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 

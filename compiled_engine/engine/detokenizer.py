@@ -114,20 +114,22 @@ class IncrementalDetokenizer:
             raise RuntimeError("append() after flush(): this request's detokenizer is finished")
         # With async scheduling a token may still arrive after the stop string was found; it is
         # not part of the output.
-        if self.stopped:
+        if self.stop_reason is not None:
             return ""
         if not new_token_ids:
             return self.flush() if finished else ""
-        self._token_ids.extend(new_token_ids)
+        token_ids = self._token_ids
+        token_ids.extend(new_token_ids)
         self._num_output_tokens += len(new_token_ids)
-        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        window_text = self._decode(self._token_ids[self._prefix_offset :])
+        prefix_offset = self._prefix_offset
+        prefix_text = self._decode(token_ids[prefix_offset : self._read_offset])
+        window_text = self._decode(token_ids[prefix_offset:])
         if len(window_text) > len(prefix_text) and not window_text.endswith(REPLACEMENT_CHAR):
             self._add_text(window_text[len(prefix_text) :])
             # The window moves to start at the old read offset; what precedes it is never decoded again.
-            del self._token_ids[: self._read_offset]
+            del token_ids[: self._read_offset]
             self._prefix_offset = 0
-            self._read_offset = len(self._token_ids)
+            self._read_offset = len(token_ids)
         delta = self._take_delta()
         return delta + self.flush() if finished else delta
 
@@ -145,7 +147,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         if self._backend_decode is not None:
-            return self._backend_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+            return self._backend_decode(token_ids, self._skip_special_tokens)
         # transformers annotates decode as `str | list[str]` whatever the input; one id list gives a str.
         return self._tokenizer.decode(  # type: ignore[return-value]
             token_ids, skip_special_tokens=self._skip_special_tokens
@@ -154,7 +156,7 @@ class IncrementalDetokenizer:
     def _add_text(self, new_text: str) -> None:
         searched_before = len(self._text)
         self._text += new_text
-        if self._num_output_tokens < self._min_tokens:
+        if not self._stop or self._num_output_tokens < self._min_tokens:
             return  # too early for stop strings; later searches start after this text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop_string in self._stop:
@@ -170,7 +172,7 @@ class IncrementalDetokenizer:
             self.stop_reason = stop_string
 
     def _take_delta(self) -> str:
-        if self.stopped or self._flushed:
+        if self.stop_reason is not None or self._flushed:
             end = len(self._text)
         else:
             end = max(self._num_emitted, len(self._text) - self._stop_holdback)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from compiled_engine.engine.detokenizer import IncrementalDetokenizer
 from compiled_engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
@@ -22,6 +23,8 @@ from compiled_engine.records.engine_core_output import EngineCoreOutput
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner_output import TokenLogprobs
 from compiled_engine.sampling_params import SamplingParams
+
+_Record = TypeVar("_Record", CompletionOutput, RequestOutput)
 
 
 @dataclass
@@ -56,6 +59,21 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Requests a stop string ended here; the core must stop scheduling them.
     stopped_by_string: list[str]
+
+
+def _build(record_type: type[_Record], **fields) -> _Record:
+    """A frozen dataclass record (`RequestOutput`, `CompletionOutput`) built without its
+    generated `__init__`, whose frozen assignments cost about a microsecond a field, and these are
+    built for every request every step. Every field is given (no defaults are filled in) and
+    these records have no `__post_init__`, so the result is the object `__init__` makes."""
+    record = object.__new__(record_type)
+    record.__dict__.update(fields)
+    return record
+
+
+for _record_type in (CompletionOutput, RequestOutput):
+    if hasattr(_record_type, "__post_init__"):  # _build would skip it
+        raise ImportError(f"{_record_type.__name__} gained a __post_init__: build it with its constructor")
 
 
 class OutputProcessor:
@@ -135,16 +153,18 @@ class OutputProcessor:
             if state is None:  # aborted or already ended by a stop string
                 continue
             completion = self._update(state, out, stopped)
-            if completion.finished:
+            finished = completion.finish_reason is not None
+            if finished:
                 del self._states[out.request_id]
             if state.parent_id is None:
                 ordered.append(
-                    RequestOutput(
+                    _build(
+                        RequestOutput,
                         request_id=out.request_id,
                         prompt=state.prompt,
                         prompt_token_ids=state.history.prompt_token_ids,
                         outputs=(completion,),
-                        finished=completion.finished,
+                        finished=finished,
                         prompt_logprobs=state.prompt_logprobs,
                     )
                 )
@@ -157,21 +177,25 @@ class OutputProcessor:
             if state.parent_id not in touched_parents:
                 touched_parents.add(state.parent_id)
                 ordered.append(state.parent_id)
+        if not touched_parents:
+            return ProcessedOutputs(ordered, stopped)  # type: ignore[arg-type]  # all RequestOutputs
         results = [item if isinstance(item, RequestOutput) else self._parent_output(item) for item in ordered]
         return ProcessedOutputs(results, stopped)
 
     def _update(self, state: _RequestState, out: EngineCoreOutput, stopped: list[str]) -> CompletionOutput:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if state.detokenizer is not None and (out.new_token_ids or out.finished):
+        detokenizer = state.detokenizer
+        if detokenizer is not None and (out.new_token_ids or out.finished):
             # finished=True releases text held back while it could still start a stop string.
-            state.text += state.detokenizer.append(list(out.new_token_ids), finished=out.finished)
-            if state.detokenizer.stopped and not out.finished:
-                finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
-                stopped.append(out.request_id)
-            elif state.detokenizer.stopped:
-                # Finished in the core on the same token that completed a stop string:
+            delta = detokenizer.append(out.new_token_ids, finished=out.finished)
+            if delta:
+                state.text += delta
+            if detokenizer.stop_reason is not None:
+                finish_reason, stop_reason = "stop", detokenizer.stop_reason
+                if not out.finished:
+                    stopped.append(out.request_id)
+                # else: finished in the core on the same token that completed a stop string:
                 # the string wins (it is what the user sees).
-                finish_reason, stop_reason = "stop", state.detokenizer.stop_reason
         if state.logprobs is not None and out.new_logprobs is not None:
             # _new_state sets both together when the request asks for logprobs.
             assert state.cumulative_logprob is not None
@@ -182,7 +206,8 @@ class OutputProcessor:
             state.prompt_logprobs = [
                 None if r is None else self._logprob_dict(r) for r in out.prompt_logprobs
             ]
-        return CompletionOutput(
+        return _build(
+            CompletionOutput,
             index=state.index,
             text=state.text,
             token_ids=tuple(state.history.output_token_ids),  # a snapshot: the output is immutable

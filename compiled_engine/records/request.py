@@ -30,22 +30,20 @@ class TokenHistory:
     only the owner takes `append`.
     """
 
-    __slots__ = ("prompt_token_ids", "_output_token_ids", "_prompt_array", "is_replica")
+    __slots__ = ("prompt_token_ids", "_output_token_ids", "_prompt_array", "is_replica", "num_tokens")
 
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)  # a tuple is not copied
         self._output_token_ids: list[int] = []
         self._prompt_array: np.ndarray | None = None
         self.is_replica = False
+        # Prompt plus outputs, kept with them (read for every running request every step).
+        self.num_tokens = len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> Sequence[int]:
         """The accepted outputs, live (not a copy): read it, never write it."""
         return self._output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self._output_token_ids)
 
     @property
     def prompt_array(self) -> np.ndarray:
@@ -61,12 +59,14 @@ class TokenHistory:
         if self.is_replica:
             raise RuntimeError("a replica history follows its owner through extend_replica, never append")
         self._output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def extend_replica(self, token_ids: Sequence[int]) -> None:
         """Outputs the owner accepted, copied into this replica (a tensor-parallel worker's)."""
         if not self.is_replica:
             raise RuntimeError("only a replica is extended; the owner's history is appended by the scheduler")
         self._output_token_ids.extend(token_ids)
+        self.num_tokens = len(self.prompt_token_ids) + len(self._output_token_ids)
 
     def __eq__(self, other: object) -> bool:
         """Same tokens (a replica equals its owner once it has caught up)."""
@@ -85,6 +85,7 @@ class TokenHistory:
     def __setstate__(self, state: tuple[tuple[int, ...], list[int]]) -> None:
         self.prompt_token_ids, outputs = state
         self._output_token_ids = list(outputs)
+        self.num_tokens = len(self.prompt_token_ids) + len(self._output_token_ids)
         self._prompt_array = None
         self.is_replica = True
 
@@ -98,11 +99,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
@@ -111,6 +108,11 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
+
+
+FINISHED_STATUSES = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
 
 
 @dataclass(eq=False)

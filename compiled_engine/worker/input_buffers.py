@@ -95,16 +95,19 @@ class InputBuffers:
         d.query_start_loc[: s + 1].copy_(h.query_start_loc[: s + 1], non_blocking=True)
         e = staged.num_logits
         d.logits_indices[:e].copy_(h.logits_indices[:e], non_blocking=True)
-        d.temperature[:k].copy_(h.temperature[:k], non_blocking=True)
-        d.top_k[:k].copy_(h.top_k[:k], non_blocking=True)
-        d.top_p[:k].copy_(h.top_p[:k], non_blocking=True)
-        d.greedy[:k].copy_(h.greedy[:k], non_blocking=True)
-        d.min_p[:k].copy_(h.min_p[:k], non_blocking=True)
+        # Each copy is a torch op with its dispatch cost: the ones a step does not use are skipped.
+        if k and not staged.all_greedy:  # an all-greedy step's sampler reads none of them
+            d.temperature[:k].copy_(h.temperature[:k], non_blocking=True)
+            d.top_k[:k].copy_(h.top_k[:k], non_blocking=True)
+            d.top_p[:k].copy_(h.top_p[:k], non_blocking=True)
+            d.greedy[:k].copy_(h.greedy[:k], non_blocking=True)
+            d.min_p[:k].copy_(h.min_p[:k], non_blocking=True)
         p = staged.num_penalised
-        d.penalty_rows[:p].copy_(h.penalty_rows[:p], non_blocking=True)
-        d.presence_penalty[:p].copy_(h.presence_penalty[:p], non_blocking=True)
-        d.frequency_penalty[:p].copy_(h.frequency_penalty[:p], non_blocking=True)
-        d.repetition_penalty[:p].copy_(h.repetition_penalty[:p], non_blocking=True)
+        if p:
+            d.penalty_rows[:p].copy_(h.penalty_rows[:p], non_blocking=True)
+            d.presence_penalty[:p].copy_(h.presence_penalty[:p], non_blocking=True)
+            d.frequency_penalty[:p].copy_(h.frequency_penalty[:p], non_blocking=True)
+            d.repetition_penalty[:p].copy_(h.repetition_penalty[:p], non_blocking=True)
         for device_buffer, host_buffer, size in (
             (d.bias_rows, h.bias_rows, staged.num_bias),
             (d.bias_token_ids, h.bias_token_ids, staged.num_bias),
@@ -113,14 +116,16 @@ class InputBuffers:
             (d.banned_token_ids, h.banned_token_ids, staged.num_banned),
             (d.prompt_logprob_targets, h.prompt_logprob_targets, staged.num_prompt_logprob_rows),
         ):
-            _load_growable(device_buffer, host_buffer, size)
+            if size:
+                _load_growable(device_buffer, host_buffer, size)
         if m:
             if previous_samples is None:
                 raise ValueError("the step has placeholder tokens but no previous samples were given")
             rows = d.placeholder_rows[:m].copy_(h.placeholder_rows[:m], non_blocking=True)
             sources = d.placeholder_sources[:m].copy_(h.placeholder_sources[:m], non_blocking=True)
             d.input_ids[0].index_copy_(0, rows, previous_samples.index_select(0, sources))
-        self._load_penalty_counts(h, staged, previous_samples)
+        if staged.num_penalised:
+            self._load_penalty_counts(h, staged, previous_samples)
         return StepInputs(
             input_ids=d.input_ids[:, :n],
             positions=d.positions[:, :n],

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from compiled_engine.records.scheduler_output import ScheduledRequest, Scheduler
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
+from compiled_engine.worker.persistent_batch import PersistentBatch
 from compiled_engine.worker.sampler import Sampler, token_logprobs
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 from compiled_engine.worker.step_buffers import LogprobResults
@@ -62,8 +64,18 @@ class LaunchedStep:
     staged: StagedStep
     done: Event
     samples: _Samples
-    # Every KV block the step reads or writes (for the checks that nothing reuses them early).
-    block_ids: frozenset[int]
+
+    @property
+    def block_ids(self) -> frozenset[int]:
+        """Every KV block the step reads or writes (for the checks that nothing reuses them
+        early; built when asked, not on the step path)."""
+        return frozenset(b for r in self.step.scheduled for b in r.block_ids)
+
+    @functools.cached_property
+    def sample_index(self) -> dict[str, int]:
+        """Request id -> its row in this step's sampled tokens (read by the next step's
+        placeholders, so only built when a step has some)."""
+        return {request_id: row for row, request_id in enumerate(self.sampled_request_ids)}
 
 
 class ModelRunner:
@@ -114,6 +126,8 @@ class ModelRunner:
         # Requests whose sampling needs their history (penalties, min_tokens, prompt logprobs):
         # registered by the engine core, passed to a slot each time it stages a step.
         self.request_states: dict[str, RequestState] = {}
+        # One row per running request, updated in place step to step (worker/persistent_batch.py).
+        self.batch = PersistentBatch(self.buffers.max_num_seqs, self.buffers.max_blocks_per_seq)
         self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(2)]
         self._num_launches = 0
         self._previous: LaunchedStep | None = None
@@ -163,6 +177,7 @@ class ModelRunner:
         """Forget requests that ended; steps already staged keep what they copied."""
         for request_id in request_ids:
             self.request_states.pop(request_id, None)
+        self.batch.remove(request_ids)
 
     @property
     def supports_graphs(self) -> bool:
@@ -213,7 +228,10 @@ class ModelRunner:
             )
             for i, n in enumerate(lengths)
         )
-        self.execute(SchedulerOutput(dummy, sum(lengths), (), ()))
+        try:
+            self.execute(SchedulerOutput(dummy, sum(lengths), (), ()))
+        finally:
+            self.batch.remove(r.request_id for r in dummy)
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step to completion (the synchronous loop and start-up)."""
@@ -231,11 +249,24 @@ class ModelRunner:
         consumed.synchronize()  # the step that used this slot has copied it out
         started = time.perf_counter()
         previous = self._previous
-        staged = slot.fill(
-            step, _sample_index(previous) if previous is not None else None, self.request_states
-        )
-        sampled = [step.scheduled[i] for i in staged.sampled_rows]
-        generators = tuple(self._generator_for(r) for r in sampled)
+        try:
+            staged = slot.fill(
+                step,
+                _SampleIndex(previous) if previous is not None else None,
+                self.request_states,
+                self.batch,
+            )
+        except BaseException:
+            self.batch.clear()  # maybe half updated: rebuilt from the next steps' block lists
+            raise
+        scheduled = step.scheduled
+        sampled_request_ids = tuple(scheduled[i].request_id for i in staged.sampled_rows)
+        generators: tuple[torch.Generator | None, ...] = (None,) * len(sampled_request_ids)
+        if staged.special_sampled:  # only those rows can be seeded
+            generators = tuple(
+                self._generator_for(scheduled[row]) if i in staged.special_sampled else None
+                for i, row in enumerate(staged.sampled_rows)
+            )
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
         step_number = self.timeline.num_steps
@@ -249,7 +280,7 @@ class ModelRunner:
             # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
             logits = self.step_graph(inputs)
             self.timeline.record_graph_call(step_number, self.step_graph.last_call)
-            k = len(sampled)
+            k = len(generators)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
                 samples.tokens = self.sampler(logits[:k], tensors)
@@ -272,12 +303,11 @@ class ModelRunner:
         self.timeline.num_steps += 1
         launched = LaunchedStep(
             step=step,
-            sampled_request_ids=tuple(r.request_id for r in sampled),
+            sampled_request_ids=sampled_request_ids,
             slot=slot,
             staged=staged,
             done=done,
             samples=samples,
-            block_ids=frozenset(b for r in step.scheduled for b in r.block_ids),
         )
         self._previous = launched
         self._in_flight.append(launched)
@@ -316,6 +346,7 @@ class ModelRunner:
         self.stream.reset()
         self._in_flight.clear()
         self._previous = None
+        self.batch.clear()
 
     def close(self) -> None:
         self.stream.close()
@@ -378,5 +409,17 @@ def _prompt_logprobs(slot: StagingSlot, staged: StagedStep) -> dict[str, PromptL
     return chunks
 
 
-def _sample_index(launched: LaunchedStep) -> dict[str, int]:
-    return {request_id: row for row, request_id in enumerate(launched.sampled_request_ids)}
+class _SampleIndex(Mapping[str, int]):
+    """The previous step's `sample_index`, built only if staging reads it (placeholders)."""
+
+    def __init__(self, launched: LaunchedStep) -> None:
+        self._launched = launched
+
+    def __getitem__(self, request_id: str) -> int:
+        return self._launched.sample_index[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._launched.sample_index)
+
+    def __len__(self) -> int:
+        return len(self._launched.sampled_request_ids)

@@ -17,8 +17,11 @@ read the request's `TokenHistory` through the runner's `RequestState`s, passed t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +30,7 @@ import torch
 from compiled_engine.graphs.device import Event
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from compiled_engine.worker.persistent_batch import PersistentBatch
 from compiled_engine.worker.sampler import HostSamplingArrays, SamplingRow
 from compiled_engine.worker.step_buffers import BufferSizes, StepBuffers
 
@@ -82,6 +86,9 @@ class StagedStep:
     logprobs: tuple[int | None, ...] = ()
     # Prompt-logprobs rows: logits rows after the sampling rows, in this order.
     prompt_logprobs: tuple[PromptLogprobRows, ...] = ()
+    # Sampling rows (indices into sampled_rows) whose params need more than the batch's arrays
+    # (a seed, penalties, ...): the only ones the runner looks at one by one.
+    special_sampled: tuple[int, ...] = ()
 
     @property
     def num_sampled(self) -> int:
@@ -106,6 +113,18 @@ class StagedStep:
         return self.num_sampled + self.num_prompt_logprob_rows
 
 
+class _SpecialRows(NamedTuple):
+    """What staging computes for the sampling rows that need their params one by one."""
+
+    host: HostSamplingArrays  # penalties, logit_bias, min_tokens entries (rows of the whole step)
+    penalty_placeholder_count_rows: list[int]
+    penalty_placeholder_sources: list[int]
+    logprobs: tuple[int | None, ...]  # logprobs=N per sampling row; () when no row asks
+
+
+_NO_SPECIAL_ROWS = _SpecialRows(HostSamplingArrays.build([]), [], [], ())
+
+
 class StagingSlot:
     """One step's host buffers, their `consumed` event, and how a `SchedulerOutput` fills them."""
 
@@ -115,27 +134,46 @@ class StagingSlot:
         self.block_size = block_size
         # Pinned when the step runs on CUDA (an asynchronous copy needs page-locked memory).
         self.buffers = StepBuffers.allocate(sizes, device, host=True)
+        # numpy views of the fixed buffers: staging writes through them (a numpy write costs a
+        # fraction of a torch op's dispatch).
+        self.host: dict[str, np.ndarray] = {
+            name: getattr(self.buffers, name).numpy()
+            for name, spec in StepBuffers.specs().items()
+            if spec.dtype is not None and spec.shape is not None
+        }
         self.consumed = consumed
 
     def fill(
         self,
         step: SchedulerOutput,
-        previous_sample_index: dict[str, int] | None = None,
+        previous_sample_index: Mapping[str, int] | None = None,
         request_states: Mapping[str, RequestState] | None = None,
+        batch: PersistentBatch | None = None,
     ) -> StagedStep:
         """Write the step into the slot. `previous_sample_index` maps a request id to its row in
         the previous step's sampled tokens (needed when the step has placeholders);
-        `request_states` holds the histories of requests whose sampling needs them."""
+        `request_states` holds the histories of requests whose sampling needs them; `batch` is
+        the runner's persistent batch (worker/persistent_batch.py), updated here with the step's
+        requests (None: a batch of this step alone)."""
         states = request_states if request_states is not None else {}
+        if batch is None:
+            batch = PersistentBatch(*self.buffers.block_tables.shape)
         reqs = step.scheduled
         num_seqs = len(reqs)
-        q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((r.start_position for r in reqs), dtype=np.int64, count=num_seqs)
+        rows = batch.update(step)
+        # Columns of the records, transposed in C (one pass) rather than read field by field.
+        _, token_lists, start_positions, _, samples, *_ = zip(*reqs, strict=True)
+        q_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
+        decode_only = num_tokens == num_seqs  # one token per request: most steps
 
-        token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
+        if decode_only:
+            token_ids = np.fromiter(map(itemgetter(0), token_lists), dtype=np.int64, count=num_tokens)
+        else:
+            token_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=num_tokens)
         placeholder_rows = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
         placeholder_sources = np.zeros(len(placeholder_rows), dtype=np.int64)
         # Sequence index -> where its placeholder's token is in the previous step's samples.
@@ -148,58 +186,81 @@ class StagingSlot:
             source_of_seq = dict(zip(seq_of_row.tolist(), placeholder_sources.tolist(), strict=True))
             token_ids[placeholder_rows] = 0  # any valid id until the device writes the real one
         # Position of every token: its request's start plus its offset inside the chunk.
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        positions = starts[seq_of_token] + (np.arange(num_tokens) - query_start_loc[:-1][seq_of_token])
+        if decode_only:
+            seq_of_token = np.arange(num_seqs)
+            positions = starts
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+            positions = starts[seq_of_token] + (np.arange(num_tokens) - query_start_loc[:-1][seq_of_token])
 
-        width = max(len(r.block_ids) for r in reqs)
-        table = np.zeros((num_seqs, width), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = r.block_ids
+        width = int(batch.num_blocks[rows].max())
+        table = batch.block_table[rows, :width]
         bs = self.block_size
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
-        sampled_rows = tuple(i for i, r in enumerate(reqs) if r.sample)
-        sampled = [reqs[i] for i in sampled_rows]
-        rows = [self._sampling_row(r, states) for r in sampled]
-        host = HostSamplingArrays.build(rows)
-        count_rows, sources = self._penalty_placeholders(host, rows, sampled, sampled_rows, source_of_seq)
-        prompt_rows, prompt_targets, prompt_chunks = self._prompt_logprob_rows(reqs, query_start_loc, states)
-        logits_indices = np.concatenate([query_start_loc[1:][list(sampled_rows)] - 1, prompt_rows])
+        sample = np.fromiter(samples, dtype=bool, count=num_seqs)
+        sampled_index = np.flatnonzero(sample)
+        sampled_rows = tuple(sampled_index.tolist())
+        batch_rows = rows[sampled_index]
+        greedy = batch.greedy[batch_rows]
+        temperature = batch.temperature[batch_rows]
+        top_k = batch.top_k[batch_rows]
+        top_p = batch.top_p[batch_rows]
+        min_p = batch.min_p[batch_rows]
+        not_greedy = ~greedy
+        # Rows whose sampling needs their params one by one (penalties, bias, min_tokens, seeds,
+        # logprobs): usually none.
+        special = np.flatnonzero(batch.special[batch_rows]).tolist()
+        extra = self._special_rows(reqs, sampled_rows, special, states, source_of_seq)
+        prompt_candidates = np.flatnonzero(batch.special[rows]).tolist()  # prompt_logprobs is special
+        prompt_rows, prompt_targets, prompt_chunks = self._prompt_logprob_rows(
+            reqs, query_start_loc, states, prompt_candidates
+        )
+        logits_indices = query_start_loc[1:][sampled_index] - 1
+        if len(prompt_rows):
+            logits_indices = np.concatenate([logits_indices, prompt_rows])
 
         n, s, k, m = num_tokens, num_seqs, len(sampled_rows), len(placeholder_rows)
-        b = self.buffers
-        b.input_ids[:, :n].copy_(torch.from_numpy(token_ids))
-        b.positions[:, :n].copy_(torch.from_numpy(positions))
-        b.slot_mapping[:n] = torch.from_numpy(slots)
-        b.block_tables[:s, :width] = torch.from_numpy(table)
-        b.seq_lens[:s] = torch.from_numpy(starts + q_lens)
-        b.query_start_loc[: s + 1] = torch.from_numpy(query_start_loc)
-        b.logits_indices[: len(logits_indices)] = torch.from_numpy(logits_indices.astype(np.int64))
-        b.placeholder_rows[:m] = torch.from_numpy(placeholder_rows.astype(np.int64))
-        b.placeholder_sources[:m] = torch.from_numpy(placeholder_sources)
-        b.temperature[:k] = torch.from_numpy(host.temperature)
-        b.top_k[:k] = torch.from_numpy(host.top_k)
-        b.top_p[:k] = torch.from_numpy(host.top_p)
-        b.greedy[:k] = torch.from_numpy(host.greedy)
-        b.min_p[:k] = torch.from_numpy(host.min_p)
+        b = self.host
+        b["input_ids"][0, :n] = token_ids
+        b["positions"][0, :n] = positions
+        b["slot_mapping"][:n] = slots
+        b["block_tables"][:s, :width] = table
+        b["seq_lens"][:s] = starts + q_lens
+        b["query_start_loc"][: s + 1] = query_start_loc
+        b["logits_indices"][: len(logits_indices)] = logits_indices
+        if m:
+            b["placeholder_rows"][:m] = placeholder_rows
+            b["placeholder_sources"][:m] = placeholder_sources
+        b["temperature"][:k] = temperature
+        b["top_k"][:k] = top_k
+        b["top_p"][:k] = top_p
+        b["greedy"][:k] = greedy
+        b["min_p"][:k] = min_p
+        host = extra.host
         p = len(host.penalty_rows)
-        b.penalty_rows[:p] = torch.from_numpy(host.penalty_rows)
-        b.presence_penalty[:p] = torch.from_numpy(host.presence)
-        b.frequency_penalty[:p] = torch.from_numpy(host.frequency)
-        b.repetition_penalty[:p] = torch.from_numpy(host.repetition)
-        b.penalty_placeholder_count_rows[: len(count_rows)] = torch.tensor(count_rows, dtype=torch.int64)
-        b.penalty_placeholder_sources[: len(sources)] = torch.tensor(sources, dtype=torch.int64)
+        if p:
+            b["penalty_rows"][:p] = host.penalty_rows
+            b["presence_penalty"][:p] = host.presence
+            b["frequency_penalty"][:p] = host.frequency
+            b["repetition_penalty"][:p] = host.repetition
+        count_rows, sources = extra.penalty_placeholder_count_rows, extra.penalty_placeholder_sources
+        if count_rows:
+            b["penalty_placeholder_count_rows"][: len(count_rows)] = count_rows
+            b["penalty_placeholder_sources"][: len(sources)] = sources
+        tb = self.buffers
         for buffer, values in (
-            (b.penalty_count_rows, host.penalty_count_rows),
-            (b.penalty_token_ids, host.penalty_token_ids),
-            (b.bias_rows, host.bias_rows),
-            (b.bias_token_ids, host.bias_token_ids),
-            (b.bias_values, host.bias_values),
-            (b.banned_rows, host.banned_rows),
-            (b.banned_token_ids, host.banned_token_ids),
-            (b.prompt_logprob_targets, prompt_targets),
+            (tb.penalty_count_rows, host.penalty_count_rows),
+            (tb.penalty_token_ids, host.penalty_token_ids),
+            (tb.bias_rows, host.bias_rows),
+            (tb.bias_token_ids, host.bias_token_ids),
+            (tb.bias_values, host.bias_values),
+            (tb.banned_rows, host.banned_rows),
+            (tb.banned_token_ids, host.banned_token_ids),
+            (tb.prompt_logprob_targets, prompt_targets),
         ):
-            buffer.take(len(values))[:] = torch.from_numpy(values)
+            if len(values):
+                buffer.take(len(values))[:] = torch.from_numpy(values)
 
         staged = StagedStep(
             num_tokens=n,
@@ -207,20 +268,52 @@ class StagingSlot:
             width=width,
             sampled_rows=sampled_rows,
             num_placeholders=m,
-            all_greedy=host.all_greedy,
-            needs_top_k=host.needs_top_k,
-            needs_top_p=host.needs_top_p,
-            needs_min_p=host.needs_min_p,
+            all_greedy=bool(greedy.all()),
+            needs_top_k=bool((not_greedy & (top_k != -1)).any()),
+            needs_top_p=bool((not_greedy & (top_p < 1.0)).any()),
+            needs_min_p=bool((not_greedy & (min_p > 0.0)).any()),
             num_penalised=p,
             num_penalty_tokens=len(host.penalty_token_ids),
             num_penalty_placeholders=len(count_rows),
             num_bias=len(host.bias_rows),
             num_banned=len(host.banned_rows),
-            logprobs=tuple(r.sampling_params.logprobs for r in sampled),
+            logprobs=extra.logprobs,
             prompt_logprobs=prompt_chunks,
+            special_sampled=tuple(special),
         )
         self._size_results(staged)
         return staged
+
+    def _special_rows(
+        self,
+        reqs: tuple[ScheduledRequest, ...],
+        sampled_rows: tuple[int, ...],
+        special: list[int],
+        states: Mapping[str, RequestState],
+        source_of_seq: dict[int, int],
+    ) -> _SpecialRows:
+        """Penalties, logit_bias and min_tokens entries of the sampling rows that use them (their
+        row numbers among the step's sampling rows), and the rows' logprobs=N."""
+        if not special:
+            return _NO_SPECIAL_ROWS
+        sampled = [reqs[sampled_rows[i]] for i in special]
+        rows = [self._sampling_row(r, states) for r in sampled]
+        host = HostSamplingArrays.build(rows)
+        count_rows, sources = self._penalty_placeholders(
+            host, rows, sampled, tuple(sampled_rows[i] for i in special), source_of_seq
+        )
+        # Entries name rows of the special subset: renumber them as rows of the whole step.
+        renumber = np.asarray(special, dtype=np.int64)
+        host = dataclasses.replace(
+            host,
+            penalty_rows=renumber[host.penalty_rows],
+            bias_rows=renumber[host.bias_rows],
+            banned_rows=renumber[host.banned_rows],
+        )
+        logprobs: tuple[int | None, ...] = ()
+        if any(r.sampling_params.logprobs is not None for r in sampled):
+            logprobs = tuple(reqs[i].sampling_params.logprobs for i in sampled_rows)
+        return _SpecialRows(host, count_rows, sources, logprobs)
 
     @staticmethod
     def _state(request: ScheduledRequest, states: Mapping[str, RequestState]) -> RequestState:
@@ -278,12 +371,14 @@ class StagingSlot:
         reqs: tuple[ScheduledRequest, ...],
         query_start_loc: np.ndarray,
         states: Mapping[str, RequestState],
+        candidates: list[int],
     ) -> tuple[np.ndarray, np.ndarray, tuple[PromptLogprobRows, ...]]:
         """Token rows whose logits give prompt logprobs this step, the prompt token each predicts,
         and the per-request chunks. Only while a request has sampled nothing yet: prompt logprobs
         are reported once, with its first token (a recompute after preemption skips them)."""
         rows, targets, chunks = [], [], []
-        for i, request in enumerate(reqs):
+        for i in candidates:  # the requests whose params may ask (the others cannot)
+            request = reqs[i]
             num_top = request.sampling_params.prompt_logprobs
             if num_top is None or request.num_output_tokens > 0:
                 continue
