@@ -74,6 +74,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._backend_decode = backend_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
+        # (ids, skip_special_tokens) -> text, called twice per request every step: the Rust
+        # decoder itself where it gives transformers' text, no Python frame in between.
+        self._decode_ids: Callable[[list[int], bool], str] = self._backend_decode or self._transformers_decode
         self._stop = stop
         self._stop_holdback = max((len(s) for s in stop), default=1) - 1
 
@@ -121,17 +124,26 @@ class IncrementalDetokenizer:
         token_ids = self._token_ids
         token_ids.extend(new_token_ids)
         self._num_output_tokens += len(new_token_ids)
-        prefix_offset = self._prefix_offset
-        prefix_text = self._decode(token_ids[prefix_offset : self._read_offset])
-        window_text = self._decode(token_ids[prefix_offset:])
+        prefix_offset, decode, skip = self._prefix_offset, self._decode_ids, self._skip_special_tokens
+        prefix_text = decode(token_ids[prefix_offset : self._read_offset], skip)
+        window_text = decode(token_ids[prefix_offset:], skip)
         if len(window_text) > len(prefix_text) and not window_text.endswith(REPLACEMENT_CHAR):
-            self._add_text(window_text[len(prefix_text) :])
+            if self._stop:
+                self._add_text(window_text[len(prefix_text) :])
+            else:  # no stop string to look for (most requests)
+                self._text += window_text[len(prefix_text) :]
             # The window moves to start at the old read offset; what precedes it is never decoded again.
             del token_ids[: self._read_offset]
             self._prefix_offset = 0
             self._read_offset = len(token_ids)
-        delta = self._take_delta()
-        return delta + self.flush() if finished else delta
+        if finished:
+            return self._take_delta() + self.flush()
+        if self._stop:
+            return self._take_delta()
+        # Nothing held back without stop strings: the delta is all the new text.
+        delta = self._text[self._num_emitted :]
+        self._num_emitted = len(self._text)
+        return delta
 
     def flush(self) -> str:
         """The request is over: return everything held back, incomplete characters included (as U+FFFD)."""
@@ -146,12 +158,11 @@ class IncrementalDetokenizer:
         return self._take_delta()
 
     def _decode(self, token_ids: list[int]) -> str:
-        if self._backend_decode is not None:
-            return self._backend_decode(token_ids, self._skip_special_tokens)
+        return self._decode_ids(token_ids, self._skip_special_tokens)
+
+    def _transformers_decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         # transformers annotates decode as `str | list[str]` whatever the input; one id list gives a str.
-        return self._tokenizer.decode(  # type: ignore[return-value]
-            token_ids, skip_special_tokens=self._skip_special_tokens
-        )
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)  # type: ignore[return-value]
 
     def _add_text(self, new_text: str) -> None:
         searched_before = len(self._text)
