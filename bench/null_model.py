@@ -147,15 +147,16 @@ def _text_token_ids(tokenizer) -> list[int]:
     return [t for t in tokenizer.encode(text, add_special_tokens=False) if t not in special]
 
 
-def start_decoding(engine: LLMEngine, num_running: int, seed: int = 0) -> None:
+def start_decoding(engine: LLMEngine, num_running: int, seed: int = 0) -> list[str]:
     """Queue `num_running` requests of distinct PROMPT_LEN-token prompts that never stop early,
-    and step until every one of them is decoding (one token a step)."""
+    and step until every one of them is decoding (one token a step); returns their ids."""
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = torch.randint(3, vocab, (num_running, PROMPT_LEN), generator=generator).tolist()
-    for prompt in prompts:
-        engine.add_request(engine.next_request_id(), _token_prompt(engine, prompt), params)
+    request_ids = [engine.next_request_id() for _ in prompts]
+    for request_id, prompt in zip(request_ids, prompts, strict=True):
+        engine.add_request(request_id, _token_prompt(engine, prompt), params)
     for _ in range(WARMUP_STEPS):
         engine.step()
     scheduler = engine.core.scheduler
@@ -164,6 +165,7 @@ def start_decoding(engine: LLMEngine, num_running: int, seed: int = 0) -> None:
             f"expected {num_running} running requests after warm-up, got {scheduler.num_running} "
             f"running and {scheduler.num_waiting} waiting"
         )
+    return request_ids
 
 
 def _token_prompt(engine: LLMEngine, token_ids: list[int]):
@@ -171,11 +173,12 @@ def _token_prompt(engine: LLMEngine, token_ids: list[int]):
     return validated.processed
 
 
-def stop_all(engine: LLMEngine) -> None:
-    """Abort every request, so the engine can start the next workload empty."""
-    ids = list(engine.output_processor._states)
-    engine.abort_request(ids)
+def stop_all(engine: LLMEngine, request_ids: list[str]) -> None:
+    """Abort the requests `start_decoding` queued, so the engine starts the next workload empty."""
+    engine.abort_request(request_ids)
     engine.drain()
+    if engine.has_unfinished_requests():
+        raise RuntimeError("requests are left in the engine after aborting every one it was given")
 
 
 def time_steps(engine: LLMEngine, num_steps: int) -> tuple[list[float], list[float]]:
@@ -196,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--profile", help="write a cProfile of the timed steps to this file")
     args = parser.parse_args(argv)
+    if args.steps > MAX_TOKENS - WARMUP_STEPS:
+        parser.error(f"--steps must be at most {MAX_TOKENS - WARMUP_STEPS}: the requests end after that")
     engine = null_engine(max(args.running))
     for num_running in args.running:
-        start_decoding(engine, num_running)
+        request_ids = start_decoding(engine, num_running)
         if args.profile:
             import cProfile
 
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(min {min(wall) * 1e3:.3f}), thread CPU median {statistics.median(cpu) * 1e3:.3f} ms/step "
             f"(min {min(cpu) * 1e3:.3f}), {len(wall)} steps"
         )
-        stop_all(engine)
+        stop_all(engine, request_ids)
     return 0
 
 

@@ -31,7 +31,7 @@ def engine():
 @pytest.mark.parametrize("num_running", RUNNING)
 def test_host_work_per_step(benchmark, request, engine, num_running):
     rounds = ROUNDS[request.config._bench_sizes.profile]
-    start_decoding(engine, num_running)
+    request_ids = start_decoding(engine, num_running)
     try:
         before = engine.stats()
         benchmark.group = "host work per step, null model"
@@ -51,4 +51,4 @@ def test_host_work_per_step(benchmark, request, engine, num_running):
             core_step_s=(after.step_wall_s - before.step_wall_s) / steps,
         )
     finally:
-        stop_all(engine)
+        stop_all(engine, request_ids)

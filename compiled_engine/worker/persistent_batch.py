@@ -81,14 +81,14 @@ class PersistentBatch:
         # Columns of the records, transposed in C (one pass) rather than read field by field.
         request_ids, _, _, block_lists, *_ = zip(*reqs, strict=True)
         rows = np.fromiter(map(self.row_of.get, request_ids, repeat(-1)), dtype=np.int64, count=n)
-        new = np.flatnonzero(rows < 0).tolist()
+        new = (rows < 0).nonzero()[0].tolist()
         if len(new) > len(self._free_rows):
             self._reclaim(set(request_ids))
         for i in new:
             rows[i] = self._add(reqs[i])
         num_blocks = np.fromiter(map(len, block_lists), dtype=np.int64, count=n)
         stored = self.num_blocks[rows]
-        changed = np.flatnonzero(num_blocks != stored)
+        changed = (num_blocks != stored).nonzero()[0]
         if len(changed):
             self._write_blocks(reqs, rows, changed.tolist(), stored)
         return rows

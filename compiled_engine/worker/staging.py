@@ -174,7 +174,7 @@ class StagingSlot:
             token_ids = np.fromiter(map(itemgetter(0), token_lists), dtype=np.int64, count=num_tokens)
         else:
             token_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=num_tokens)
-        placeholder_rows = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
+        placeholder_rows = (token_ids == PLACEHOLDER_TOKEN_ID).nonzero()[0]
         placeholder_sources = np.zeros(len(placeholder_rows), dtype=np.int64)
         # Sequence index -> where its placeholder's token is in the previous step's samples.
         source_of_seq: dict[int, int] = {}
@@ -199,7 +199,7 @@ class StagingSlot:
         slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
         sample = np.fromiter(samples, dtype=bool, count=num_seqs)
-        sampled_index = np.flatnonzero(sample)
+        sampled_index = sample.nonzero()[0]  # 1-D: np.flatnonzero without its Python wrappers
         sampled_rows = tuple(sampled_index.tolist())
         batch_rows = rows[sampled_index]
         greedy = batch.greedy[batch_rows]
@@ -210,9 +210,9 @@ class StagingSlot:
         not_greedy = ~greedy
         # Rows whose sampling needs their params one by one (penalties, bias, min_tokens, seeds,
         # logprobs): usually none.
-        special = np.flatnonzero(batch.special[batch_rows]).tolist()
+        special = batch.special[batch_rows].nonzero()[0].tolist()
         extra = self._special_rows(reqs, sampled_rows, special, states, source_of_seq)
-        prompt_candidates = np.flatnonzero(batch.special[rows]).tolist()  # prompt_logprobs is special
+        prompt_candidates = batch.special[rows].nonzero()[0].tolist()  # prompt_logprobs is special
         prompt_rows, prompt_targets, prompt_chunks = self._prompt_logprob_rows(
             reqs, query_start_loc, states, prompt_candidates
         )
