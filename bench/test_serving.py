@@ -10,9 +10,9 @@ and driven by the official async `openai` client (bench/serving_load.py):
 
 Systems: "ours" on a warm cache (`compiled-engine warmup` fills a fresh compile cache first, with
 the user's Inductor cache; the server starts from it, then one untimed wave), "ours-fresh" (burst
-only: empty compile and Inductor caches, the default background compile policy, timed from the first request), and "vllm"
-(`--peer vllm=PYTHON`: vLLM's own server, same model folder, dtype and thread count; one untimed
-wave first). Without the peer its rows are skipped and say "not installed".
+only: empty compile and Inductor caches, the default background compile policy, timed from the
+first request), and "vllm" (`--peer vllm=PYTHON`: vLLM's own server, same model folder, dtype and
+thread count; one untimed wave first). Without the peer its rows are skipped and say "not installed".
 
 One server runs at a time (starting the next stops the last), so no idle server shares the cores.
 """
