@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -267,6 +268,11 @@ def _exit_if_orphaned(parent_pid: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # The server decides when the engine stops: a Ctrl-C (the whole foreground group gets SIGINT)
+    # or a SIGTERM sent to every process of a service must not end it before the server has let
+    # its streams finish. It leaves on Shutdown, or when the server is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     args, level = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=level)
