@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import openai
+from openai._constants import DEFAULT_CONNECTION_LIMITS
 
 from bench.serving_harness import StreamRecord, inter_chunk_gaps, percentile
 
@@ -74,8 +75,16 @@ def prompt_text(rng: random.Random) -> str:
 
 
 def make_client(url: str) -> openai.AsyncOpenAI:
-    # The client's default pool (1000 connections) holds every stream at once.
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
+    # Every stream of a wave at once (1000 connections), each kept for the next wave, but dropped
+    # well before a server closes it (uvicorn's keep-alive is 5 s, the client's default too: a
+    # connection reused just as the server closes it fails the request).
+    limits = type(DEFAULT_CONNECTION_LIMITS)(
+        max_connections=1000, max_keepalive_connections=1000, keepalive_expiry=2.0
+    )
+    http_client = openai.DefaultAsyncHttpxClient(limits=limits)
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900, http_client=http_client
+    )
 
 
 async def stream_one(
@@ -84,7 +93,6 @@ async def stream_one(
     prompt: str,
     max_tokens: int,
     temperature: float,
-    seed: int,
     t0: float,
     abandon_after: int | None = None,
 ) -> StreamRecord:
@@ -94,7 +102,6 @@ async def stream_one(
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=temperature,
-        seed=seed,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -132,7 +139,6 @@ async def run_burst(url: str, model: str, load: BurstLoad) -> list[StreamRecord]
                         prompt_text(rng),
                         rng.randint(*load.token_range),
                         load.temperature,
-                        rng.randrange(2**31),
                         t0,
                         abandon,
                     )
@@ -160,7 +166,6 @@ async def run_steady(url: str, model: str, load: SteadyLoad) -> list[StreamRecor
                     prompt_text(own),
                     own.randint(*load.token_range),
                     load.temperature,
-                    own.randrange(2**31),
                     t0,
                 )
             )

@@ -144,6 +144,7 @@ class EngineProcess:
             [sys.executable, "-m", __name__, str(theirs.fileno())],
             stdin=subprocess.PIPE,
             pass_fds=(theirs.fileno(),),
+            env=engine_environment(os.environ),
         )
         theirs.close()  # the child holds the only other end: its exit closes the connection
         conn = Connection(ours.detach())
@@ -173,6 +174,19 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             _end(self.process)
         self.conn.close()
+
+
+def engine_environment(environ) -> dict[str, str]:
+    """The engine process's environment: the server's, and unless the user chose an OpenMP wait
+    policy, GNU OpenMP's short spin (1,000 rounds, what libgomp itself uses once a process has more
+    OpenMP threads than cores). Its default in a process of one team — this one: the main thread
+    runs every step — spins 300,000 rounds after each parallel region, which on a machine with
+    more runnable threads than cores (the server, its clients) keeps a waiting thread on a core the
+    thread with the work needs: steps measured 3-9x slower on 2 shared cores (docs/performance.md)."""
+    env = dict(environ)
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = "1000"
+    return env
 
 
 def _recv_within(conn: Connection, process: subprocess.Popen[bytes], timeout_s: float):
