@@ -90,13 +90,15 @@ class ServerProcess:
     """A server subprocess logging to `log_path`, in a session of its own. `url`: given, or read
     from our server's "serving ... on http://..." line once it is printed."""
 
-    def __init__(self, command: list[str], log_path: Path, env: dict[str, str], url: str = "") -> None:
+    def __init__(
+        self, command: list[str], log_path: Path, env: dict[str, str], url: str = "", cwd: Path | None = None
+    ) -> None:
         self.log_path = log_path
         self.url = url
         self.launched = time.perf_counter()
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cwd
             )
 
     def wait_healthy(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> float:

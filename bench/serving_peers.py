@@ -84,4 +84,6 @@ def start_vllm_server(
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
     ]  # fmt: skip
-    return ServerProcess(command, log_path, env, url=f"http://127.0.0.1:{port}")
+    # Run from the log's folder: this repository's top-level packages (kernels/, graphs/) must not
+    # shadow the peer's imports (`python -m` puts the working directory first on sys.path).
+    return ServerProcess(command, log_path, env, url=f"http://127.0.0.1:{port}", cwd=log_path.parent)

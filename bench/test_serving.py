@@ -56,11 +56,11 @@ SERVING_SIZES = {
     ),
 }
 CASES = [
+    ("vllm", "burst"),
+    ("vllm", "steady"),
     ("ours", "burst"),
     ("ours", "steady"),
     ("ours-fresh", "burst"),
-    ("vllm", "burst"),
-    ("vllm", "steady"),
 ]
 
 

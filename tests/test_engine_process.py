@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from compiled_engine.engine.async_llm import AsyncLLM
+from compiled_engine.engine.engine_process import engine_environment
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
 from compiled_engine.engine_args import EngineArgs
@@ -151,3 +152,9 @@ def test_the_engine_process_leaves_when_the_server_dies(llama_dir):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_the_engine_gets_a_short_openmp_spin_unless_the_user_chose_a_policy():
+    assert engine_environment({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "1000"}
+    assert engine_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert engine_environment({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
