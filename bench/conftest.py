@@ -45,6 +45,13 @@ def pytest_addoption(parser):
         help="our engine's attention_backend (default auto: on CPU the cpu kernel; 'torch' for the "
         "reference op with Inductor's inline attention maths in decode buckets)",
     )
+    group.addoption(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a peer beside ours, e.g. vllm=/work/peers/vllm-venv/bin/python (repeatable)",
+    )
 
 
 def _profile(config) -> str:

@@ -27,20 +27,24 @@ import dataclasses
 import json
 import os
 import random
-import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
+from bench.serving_harness import (
+    ServerProcess,
+    StreamRecord,
+    http_get,
+    inter_chunk_gaps,
+    percentile,
+    serve_command,
+)
 from bench.workloads import BenchRequest, mixed_requests
 
 # Variants: the server's compile policy and any extra flags. "background-chunked" also caps each
@@ -85,16 +89,6 @@ WORKLOAD_SEED = 18
 SERVER_START_TIMEOUT_S = 600
 
 
-@dataclass
-class StreamRecord:
-    """One request's stream, times in seconds from the moment /health first answered."""
-
-    sent_at: float
-    chunk_at: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    expected_tokens: int = 0
-
-
 @dataclass(frozen=True)
 class ColdServeResult:
     startup_s: float  # launch to the first /health answer
@@ -117,17 +111,6 @@ class ColdServeResult:
     ready_timeline: list[tuple[float, float, int, int, int, int]]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    # Linear interpolation between closest ranks (numpy's default).
-    pos = q / 100 * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarise(
     streams: list[StreamRecord],
     startup_s: float,
@@ -136,19 +119,17 @@ def summarise(
     ready_samples: list[tuple[float, float, dict]],
 ) -> ColdServeResult:
     ttfts = [s.chunk_at[0] - s.sent_at for s in streams]
-    gaps: list[tuple[float, float]] = []  # (gap, when it ended)
-    for s in streams:
-        gaps += [(b - a, b) for a, b in zip(s.chunk_at, s.chunk_at[1:], strict=False)]
+    gaps = inter_chunk_gaps(streams)  # (gap, when it ended)
     itls = [g for g, _ in gaps]
     stall, stall_at = max(gaps) if gaps else (0.0, 0.0)
     return ColdServeResult(
         startup_s=startup_s,
         workload_wall_s=max(s.chunk_at[-1] for s in streams) - min(s.sent_at for s in streams),
-        ttft_p50_s=_percentile(ttfts, 50),
-        ttft_p99_s=_percentile(ttfts, 99),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
         ttft_max_s=max(ttfts),
-        itl_p50_s=_percentile(itls, 50) if itls else 0.0,
-        itl_p99_s=_percentile(itls, 99) if itls else 0.0,
+        itl_p50_s=percentile(itls, 50) if itls else 0.0,
+        itl_p99_s=percentile(itls, 99) if itls else 0.0,
         longest_stall_s=stall,
         longest_stall_at_s=stall_at,
         gaps_over_target=sum(g > TARGET_LONGEST_STALL_S for g in itls),
@@ -164,11 +145,6 @@ def summarise(
     )
 
 
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.status, response.read().decode()
-
-
 def _graph_counters(metrics_text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -182,7 +158,7 @@ def _graph_counters(metrics_text: str) -> dict[str, float]:
     return found
 
 
-class ColdServer:
+class ColdServer(ServerProcess):
     """`compiled-engine serve` on a fresh compile cache and a fresh Inductor cache, in its own
     process group (the background compiler it starts goes with it). `seed_from`: start from a copy
     of another run's `cache_root` instead (a warm comparison, bench/cold_serving_variants.py)."""
@@ -200,56 +176,10 @@ class ColdServer:
             cache_root.mkdir(parents=True)
         else:
             shutil.copytree(seed_from, cache_root)
-        self.log_path = cache_root / "serve.log"
         env = dict(os.environ, TQDM_DISABLE="1", TORCHINDUCTOR_CACHE_DIR=str(cache_root / "inductor"))
         env.pop("COMPILED_ENGINE_COMPILE_POLICY", None)
-        command = [
-            sys.executable, "-m", "compiled_engine.entrypoints.cli", "serve", "--model", str(model_dir),
-            "--dtype", dtype, "--host", "127.0.0.1", "--port", "0", "--served-model-name", SERVED_NAME,
-            "--cache-dir", str(cache_root / "compile-cache"), "--compile-policy", policy, *flags,
-        ]  # fmt: skip
-        self.launched = time.perf_counter()
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.url = ""
-
-    def wait_healthy(self) -> float:
-        """Seconds from launch to the first 200 from /health."""
-        deadline = self.launched + SERVER_START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
-            if not self.url:
-                found = re.search(r"serving .* on (http://\S+)", self.log())
-                self.url = found.group(1) if found else ""
-            if self.url:
-                try:
-                    if _get(f"{self.url}/health")[0] == 200:
-                        return time.perf_counter() - self.launched
-                except OSError:
-                    pass
-            assert time.perf_counter() < deadline, f"no /health in time:\n{self.log()[-4000:]}"
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left of the group this server started (its compiler process): gone.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=30)
+        command = serve_command(model_dir, dtype, SERVED_NAME, cache_root / "compile-cache", policy, flags)
+        super().__init__(command, cache_root / "serve.log", env)
 
 
 async def _stream_one(client, request: BenchRequest, send_at: float, t0: float) -> StreamRecord:
@@ -278,7 +208,7 @@ async def _sample_ready(url: str, t0: float, into: list, every_s: float = 0.5) -
     and how long the server took to answer (a stalled server answers late)."""
     while True:
         asked = time.perf_counter() - t0
-        _, body = await asyncio.to_thread(_get, f"{url}/ready")
+        _, body = await asyncio.to_thread(http_get, f"{url}/ready")
         into.append((asked, time.perf_counter() - t0, json.loads(body)["graphs"]))
         await asyncio.sleep(every_s)
 
@@ -336,8 +266,8 @@ def serve_cold_once(
         t0 = time.perf_counter()  # serving has started: every time below counts from here
         ready_samples: list = []
         streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_samples))
-        counters = _graph_counters(_get(f"{server.url}/metrics")[1])
-        ready_at_end = json.loads(_get(f"{server.url}/ready")[1])["graphs"]
+        counters = _graph_counters(http_get(f"{server.url}/metrics")[1])
+        ready_at_end = json.loads(http_get(f"{server.url}/ready")[1])["graphs"]
     except BaseException:
         print(server.log()[-4000:])
         raise

@@ -38,8 +38,9 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     # ttft, decode, throughput, startup cold and warm on bench-small, each for ours and HF; ours'
     # cold start with the background compile policy; the step timeline, sync and async loop (ours
     # only); the detokenizer, Rust and transformers decode; host work per step with the null model
-    # at 1, 64 and 256 running requests.
-    assert "18 passed" in stdout, stdout[-2000:]
+    # at 1, 64 and 256 running requests; the serving suite's burst and steady loads on our eager
+    # server (its fresh-cache and vLLM rows skip).
+    assert "20 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

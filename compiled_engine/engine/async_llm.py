@@ -269,6 +269,14 @@ class AsyncLLM:
         thread uses it. `log_requests` writes one key=value line per finished request to the
         `compiled_engine.requests` logger (INFO)."""
         self._engine = engine
+        self._set_up(engine.stats(), log_requests, stats_listeners)
+        self._thread = threading.Thread(target=self._run, name="compiled-engine-loop", daemon=True)
+        self._thread.start()
+
+    def _set_up(
+        self, stats: EngineStats, log_requests: bool, stats_listeners: Sequence[RequestStatsListener]
+    ) -> None:
+        """The state both sides share; the caller then starts the thread that owns `_live`."""
         self._log_requests = log_requests
         self._listeners: list[RequestStatsListener] = list(stats_listeners)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -278,9 +286,7 @@ class AsyncLLM:
         self._closed = False
         self._dead_cause: BaseException | None = None
         self._live: dict[str, _LiveRequest] = {}  # engine thread only
-        self._stats: EngineStats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name="compiled-engine-loop", daemon=True)
-        self._thread.start()
+        self._stats: EngineStats = stats
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, log_requests: bool = True) -> AsyncLLM:
@@ -341,7 +347,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._inbox.put(_Add(stream, prompt, params, time.monotonic()))
+            self._submit(_Add(stream, prompt, params, time.monotonic()))
         try:
             await asyncio.shield(stream.accepted)
         except asyncio.CancelledError:
@@ -379,7 +385,7 @@ class AsyncLLM:
             if stream is None:
                 return  # finished, failed or never known
             if not self._closed:
-                self._inbox.put(_Abort(request_id))
+                self._submit(_Abort(request_id))
         _call_soon(stream.loop, stream._finish_aborted)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
@@ -389,9 +395,13 @@ class AsyncLLM:
             first = not self._closed
             self._closed = True
         if first:
-            self._inbox.put(_Shutdown())
+            self._submit(_Shutdown())
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def _submit(self, command: _Add | _Abort | _Shutdown) -> None:
+        """Hand a command to the engine's side (here: the engine thread's inbox)."""
+        self._inbox.put(command)
 
     def _check_open(self) -> None:
         if self._dead_cause is not None:
