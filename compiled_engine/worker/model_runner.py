@@ -25,6 +25,7 @@ from compiled_engine.records.runner import RunnerTimeline
 from compiled_engine.records.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.structured_output.logits_mask import GrammarMasks
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.sampler import Sampler, token_logprobs
@@ -236,6 +237,7 @@ class ModelRunner:
         )
         sampled = [step.scheduled[i] for i in staged.sampled_rows]
         generators = tuple(self._generator_for(r) for r in sampled)
+        grammar_masks = GrammarMasks.of_rows([r.grammar_bitmask for r in sampled])
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
         step_number = self.timeline.num_steps
@@ -252,10 +254,12 @@ class ModelRunner:
             k = len(sampled)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
-                samples.tokens = self.sampler(logits[:k], tensors)
+                # Structured outputs: tokens the grammar forbids are -inf for everything after.
+                sample_logits = logits[:k] if grammar_masks is None else grammar_masks.apply(logits[:k])
+                samples.tokens = self.sampler(sample_logits, tensors)
                 slot.buffers.sampled_tokens[:k].copy_(samples.tokens, non_blocking=True)
                 if staged.num_top_logprobs is not None:
-                    results = token_logprobs(logits[:k], samples.tokens, staged.num_top_logprobs)
+                    results = token_logprobs(sample_logits, samples.tokens, staged.num_top_logprobs)
                     _copy_logprobs(slot.buffers.sample_logprobs, results)
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows
