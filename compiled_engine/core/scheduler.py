@@ -11,7 +11,10 @@ Policy, in one place:
   prompt + outputs later. The oldest request can therefore always take the whole cache, and
   `add_request` rejects any request that could not finish alone in the whole cache, so some
   request always makes progress.
-- Waiting requests are admitted only into free blocks (never by preempting), strictly FCFS.
+- Waiting requests are admitted only into free blocks (never by preempting), strictly FCFS —
+  except that one whose grammar (structured outputs) is still compiling lets the others pass.
+- A constrained request's sampling step carries its grammar's next-token mask, computed from its
+  history; so with a step in flight sampling for it, it is not scheduled until that token lands.
 
 Steps in flight: `schedule()` hands out a step, `update()` applies its result, oldest first. With
 `max_in_flight_steps=2` (the async loop) step N+1 is scheduled before step N is updated:
