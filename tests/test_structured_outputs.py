@@ -162,3 +162,37 @@ def test_grammar_masks_match_xgrammar_apply_token_bitmask():
     xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab)
     assert torch.equal(got, expected)
     assert GrammarMasks.of_rows([None, None]) is None
+
+
+def _allowed(mask: np.ndarray) -> set[int]:
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_request_grammar_follows_the_history_and_ends_a_failed_compile():
+    from concurrent.futures import Future
+
+    from transformers import AutoTokenizer
+
+    from compiled_engine.default_model_path import default_model_dir
+    from compiled_engine.structured_output.compiler import GrammarCompilerPool
+    from compiled_engine.structured_output.request_grammar import RequestGrammar
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    pool = GrammarCompilerPool(tokenizer, vocab_size=4096, eos_token_ids=[0])
+    grammar = pool.request_grammar(StructuredOutputsParams(choice=["yes", "no"]))
+    grammar.wait(timeout=60)
+    assert grammar.is_ready()
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    first = grammar.next_token_bitmask([])
+    assert first is not None and yes[0] in _allowed(first) and 0 not in _allowed(first)
+    done = grammar.next_token_bitmask(yes)  # complete: only EOS may follow
+    assert done is not None and _allowed(done) == {0}
+    again = grammar.next_token_bitmask([])  # fewer tokens than consumed: rebuilt from the history
+    assert again is not None and np.array_equal(again, first)
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("compiler crashed"))
+    broken = RequestGrammar(failed, vocab_size=4096, stop_token_ids=[0])
+    mask = broken.next_token_bitmask([])
+    assert mask is not None and _allowed(mask) == {0}
+    pool.close()

@@ -50,20 +50,29 @@ class RequestGrammar:
         """The tokens allowed after `output_token_ids` (the request's whole output so far) as
         xgrammar's packed bitmask (int32 words, bit i of word j = token 32 j + i), or None when
         every token is allowed."""
+        error = self._compiled.exception()
+        if error is not None:
+            # Parsing succeeded when the request was added, so this is xgrammar failing: end this
+            # request at once (stop tokens only) rather than fail the step every request shares.
+            if not self._rejected:
+                logger.error("grammar compilation failed (%s); the request ends now", error)
+                self._rejected = True
+            return self._stop_tokens_only()
         matcher = self._catch_up(output_token_ids)
         if self._rejected:
             return None
         if matcher.is_terminated():
             # Complete, its stop token taken, and still asked (ignore_eos): only stop tokens fit.
-            mask = np.zeros(self._bitmask.shape[1], dtype=np.int32)
-            for token_id in self._stop_token_ids:
-                mask[token_id // 32] |= (
-                    np.int32(1 << (token_id % 32)) if token_id % 32 != 31 else np.int32(-(2**31))
-                )
-            return mask
+            return self._stop_tokens_only()
         if not matcher.fill_next_token_bitmask(self._bitmask, 0):
             return None
         return self._bitmask[0].numpy().copy()
+
+    def _stop_tokens_only(self) -> np.ndarray:
+        mask = np.zeros(self._bitmask.shape[1], dtype=np.uint32)
+        for token_id in self._stop_token_ids:
+            mask[token_id // 32] |= np.uint32(1 << (token_id % 32))
+        return mask.view(np.int32)
 
     def _catch_up(self, output_token_ids: Sequence[int]) -> xgr.GrammarMatcher:
         if self._matcher is None or len(output_token_ids) < self._num_accepted:
