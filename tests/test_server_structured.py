@@ -243,3 +243,17 @@ def test_hermes_parser_holds_back_a_possible_tag_while_streaming():
     assert parsed.content == "Hi" and parsed.tool_calls[0].name == "f"
     assert json.loads(parsed.tool_calls[0].arguments) == {"a": 1}
     assert parser.parse("<tool_call>{broken</tool_call>").tool_calls == ()
+
+
+def test_unknown_tool_call_parser_is_refused_by_name():
+    from compiled_engine.engine_args import ServerArgs
+    from compiled_engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, tool_call_parser
+
+    with pytest.raises(ValueError, match=r"tool_call_parser must be one of \['hermes'\], got 'mistral'"):
+        ServerArgs(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="unknown tool call parser 'mistral'"):
+        tool_call_parser("mistral")
+    # Every name the flag offers has a parser behind it.
+    from compiled_engine.engine_args import TOOL_CALL_PARSER_CHOICES
+
+    assert set(TOOL_CALL_PARSER_CHOICES) == set(TOOL_CALL_PARSERS)

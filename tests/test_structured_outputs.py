@@ -188,6 +188,8 @@ def test_request_grammar_follows_the_history_and_ends_a_failed_compile():
     assert first is not None and yes[0] in _allowed(first) and 0 not in _allowed(first)
     done = grammar.next_token_bitmask(yes)  # complete: only EOS may follow
     assert done is not None and _allowed(done) == {0}
+    after = grammar.next_token_bitmask([*yes, 0, 0])  # ignore_eos: EOS after EOS keeps the constraint
+    assert after is not None and _allowed(after) == {0}
     again = grammar.next_token_bitmask([])  # fewer tokens than consumed: rebuilt from the history
     assert again is not None and np.array_equal(again, first)
     failed: Future = Future()

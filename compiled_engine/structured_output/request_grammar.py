@@ -81,6 +81,8 @@ class RequestGrammar:
             self._rejected = False
         matcher = self._matcher
         for token_id in output_token_ids[self._num_accepted :]:
+            if matcher.is_terminated() and token_id in self._stop_token_ids:
+                continue  # more stop tokens after the end (ignore_eos): all the mask allowed
             if not self._rejected and not matcher.accept_token(token_id):
                 # Only when something outside the mask forced the token (min_tokens banning the
                 # only allowed stop token, say): the constraint cannot be kept any more.
