@@ -52,7 +52,6 @@ def batch(num_requests: int, max_tokens: int, constrained: bool) -> tuple[list[s
         params.append(
             SamplingParams(
                 temperature=1.0,
-                seed=i,
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 structured_outputs=so if constrained and i % 2 else None,

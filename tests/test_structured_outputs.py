@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import xgrammar as xgr
 
 from compiled_engine import LLM, SamplingParams, StructuredOutputsParams
 from compiled_engine.errors import InvalidRequestError
@@ -148,18 +147,19 @@ def test_invalid_or_unsupported_constraints_name_the_problem(kwargs, message):
         build_grammar(StructuredOutputsParams(**kwargs))
 
 
-def test_grammar_masks_match_xgrammar_apply_token_bitmask():
+def test_grammar_masks_forbid_exactly_the_unset_bits_of_constrained_rows():
     rng = np.random.default_rng(0)
     vocab = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
     logits = torch.randn(4, vocab)
     bitmask = rng.integers(-(2**31), 2**31, size=(2, 4), dtype=np.int64).astype(np.int32)
     masks = GrammarMasks.of_rows([None, bitmask[0], None, bitmask[1]])
     assert masks is not None
-    got = masks.apply(logits)
+    got = masks.apply(logits.clone())
+    # Reference: unpack the bits with numpy; row r keeps token t iff bit t % 32 of word t // 32 is set.
     expected = logits.clone()
-    full = torch.full((4, 4), -1, dtype=torch.int32)
-    full[1], full[3] = torch.from_numpy(bitmask[0]), torch.from_numpy(bitmask[1])
-    xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab)
+    for row, mask in ((1, bitmask[0]), (3, bitmask[1])):
+        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        expected[row, torch.from_numpy(~allowed)] = float("-inf")
     assert torch.equal(got, expected)
     assert GrammarMasks.of_rows([None, None]) is None
 
