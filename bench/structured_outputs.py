@@ -2,12 +2,12 @@
 to a JSON schema against the same batch with none constrained, in the same process, rounds
 alternating (so machine noise hits both alike).
 
-    .venv/bin/python -m bench.structured_outputs [--requests 64] [--max-tokens 64] [--rounds 3]
+    .venv/bin/python -m bench.structured_outputs [--requests 64] [--max-tokens 64] [--rounds 5]
 
 Every request runs to max_tokens (ignore_eos): both batches generate the same number of tokens,
 so the time ratio is the cost. The schema (a list of up to 32 records) keeps a constrained row
-inside its grammar for the whole run, so each of its steps fills a real mask. Prints each round
-and the median times; docs/benchmarks.md quotes a run.
+inside its grammar for the whole run, so each of its steps fills a real mask. Prints each round,
+the medians, and the seconds spent in the structured-output code; docs/performance.md quotes a run.
 """
 
 from __future__ import annotations
