@@ -60,7 +60,9 @@ def test_mixed_constraints_sampled_at_temperature_one_all_validate(llm):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_two_hundred_mixed_constraints_all_validate(async_scheduling):
     llm = LLM(async_scheduling=async_scheduling, **ENGINE_OPTIONS)
-    _run_and_check(llm, structured_cases(200, seed=2))
+    # No free-form objects here: with any keys and any string values, the tiny model may run out
+    # of tokens before closing one (an honest "length", but not a validating output).
+    _run_and_check(llm, structured_cases(200, seed=2, json_object=False))
     _check_engine_after(llm)
 
 
