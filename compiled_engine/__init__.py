@@ -2,9 +2,16 @@
 
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.outputs import CompletionOutput, RequestOutput
-from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -84,6 +84,10 @@ def _bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+# The server's tool-call parsers (entrypoints/openai/tool_parsers.py registers one under each name).
+TOOL_CALL_PARSER_CHOICES = ("hermes",)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineArgs:
     """The engine's options as the user gave them (`LLM(...)`, the CLI), checked but unresolved.
@@ -335,6 +339,12 @@ class ServerArgs(EngineArgs):
         DEFAULT_MAX_REQUEST_BYTES,
         f"largest request body accepted; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})",
     )
+    tool_call_parser: str = option(
+        "hermes",
+        "how tool calls are read out of replies to tool_choice 'auto' (default: hermes, "
+        "<tool_call>{...}</tool_call>)",
+        choices=TOOL_CALL_PARSER_CHOICES,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -347,6 +357,11 @@ class ServerArgs(EngineArgs):
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be an int from 0 to 65535, got {self.port!r}")
         _positive_int("max_request_bytes", self.max_request_bytes)
+        if self.tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
+            raise ValueError(
+                f"tool_call_parser must be one of {list(TOOL_CALL_PARSER_CHOICES)}, "
+                f"got {self.tool_call_parser!r}"
+            )
 
     def engine_args(self) -> EngineArgs:
         """The engine's part alone (what the engine and its workers receive; no API key)."""

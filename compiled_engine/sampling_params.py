@@ -5,14 +5,112 @@ docs/sampling.md says what each one does and in which order the sampler applies 
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 from compiled_engine.errors import InvalidRequestError
 
 # vLLM's default `max_logprobs`: the most top log-probabilities one token may ask for.
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's shape): exactly one of `json` (a JSON
+    schema, as a dict or its text), `json_object=True` (any JSON object), `regex`, `choice` (one of
+    these strings) or `grammar` (EBNF, xgrammar's dialect of GBNF).
+
+    Only the shape is checked here; whether the schema, regex or grammar itself is valid is checked
+    by the backend when the request is added (compiled_engine/structured_output/)."""
+
+    json: dict[str, Any] | str | None = field(default=None, hash=False)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's option: JSON without free whitespace between tokens (shorter, more deterministic).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice or grammar, "
+                f"got {given or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as exc:
+                    raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise InvalidRequestError(
+                    f"structured_outputs.json must be a JSON schema (an object), got {type(parsed).__name__}"
+                )
+            try:
+                # A private copy: later changes to the caller's dict cannot reach a request in flight.
+                object.__setattr__(self, "json", json.loads(json.dumps(parsed)))
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"structured_outputs.json is not JSON-serialisable: {exc}"
+                ) from None
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}"
+                )
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice:
+                raise InvalidRequestError(
+                    f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+                )
+            for option in self.choice:
+                if not isinstance(option, str) or not option:
+                    raise InvalidRequestError(
+                        f"structured_outputs.choice entries must be non-empty strings, got {option!r}"
+                    )
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise InvalidRequestError(
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError(
+                "structured_outputs.disable_any_whitespace must be a bool, "
+                f"got {self.disable_any_whitespace!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """Equal for constraints that compile to the same grammar (the compile cache's key)."""
+        kind = self.kind
+        if kind == "json":
+            text = json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            text = json.dumps(list(self.choice or ()))
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.disable_any_whitespace
 
 
 @dataclass(frozen=True)
@@ -37,6 +135,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar): docs/structured_outputs.md.
+    structured_outputs: StructuredOutputsParams | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the list-valued fields; store tuples so the
@@ -118,6 +218,13 @@ class SamplingParams:
                         f"{name} must be None or in [0, {MAX_LOGPROBS}] (the engine's max_logprobs), "
                         f"got {value}"
                     )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:

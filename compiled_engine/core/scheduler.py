@@ -11,7 +11,10 @@ Policy, in one place:
   prompt + outputs later. The oldest request can therefore always take the whole cache, and
   `add_request` rejects any request that could not finish alone in the whole cache, so some
   request always makes progress.
-- Waiting requests are admitted only into free blocks (never by preempting), strictly FCFS.
+- Waiting requests are admitted only into free blocks (never by preempting), strictly FCFS —
+  except that one whose grammar (structured outputs) is still compiling lets the others pass.
+- A constrained request's sampling step carries its grammar's next-token mask, computed from its
+  history; so with a step in flight sampling for it, it is not scheduled until that token lands.
 
 Steps in flight: `schedule()` hands out a step, `update()` applies its result, oldest first. With
 `max_in_flight_steps=2` (the async loop) step N+1 is scheduled before step N is updated:
@@ -187,6 +190,9 @@ class Scheduler:
             if pending and self._reaches_length_limit(request):
                 index += 1  # ends by length once its owed tokens land: no step is spent on it
                 continue
+            if pending and request.grammar is not None:
+                index += 1  # its next grammar mask needs the token a step in flight is sampling
+                continue
             start = request.num_computed_tokens + request.num_in_flight_tokens
             num_new_tokens = min(request.history.num_tokens + pending - start, budget, prefill_cap)
             if num_new_tokens <= 0:
@@ -210,7 +216,10 @@ class Scheduler:
         # take blocks the running requests need next step (and could re-admit the victim).
         if not preempted_ids:
             while self._waiting and len(self._running) < self._config.max_num_seqs and budget > 0:
-                request = self._waiting[0]  # nothing computed, nothing in flight
+                admissible = self._next_admissible()  # nothing computed, nothing in flight
+                if admissible is None:
+                    break  # the waiting ones' grammars are still compiling
+                request = admissible
                 cached_blocks = self._kv_cache_manager.find_cached_prefix(request)
                 if self._next_block_is_being_computed(request, len(cached_blocks), computing):
                     break  # FCFS: later requests do not overtake the head of the queue
@@ -219,7 +228,7 @@ class Scheduler:
                 end = num_cached_tokens + num_new_tokens
                 if not self._kv_cache_manager.allocate_slots(request.request_id, end, cached_blocks):
                     break
-                self._waiting.popleft()
+                self._waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached_tokens
                 if self._config.enable_prefix_caching:
@@ -313,6 +322,19 @@ class Scheduler:
             self._running = [r for r in self._running if not r.status.finished]
         return outputs
 
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request that can start: any whose grammar (structured outputs) is
+        compiled — one still compiling lets the others pass."""
+        for request in self._waiting:
+            if request.grammar is None or request.grammar.is_ready():
+                return request
+        head = self._waiting[0].grammar
+        if head is not None and not self._running and not self._in_flight:
+            head.wait(timeout=0.05)  # nothing else to run: wait for it rather than spin
+            if head.is_ready():
+                return self._waiting[0]
+        return None
+
     def _completed_block_hashes(self, request: Request, num_new_tokens: int) -> list[bytes]:
         """Keys of the request's full blocks that its next `num_new_tokens` tokens complete; blocks
         still waiting on a placeholder have no key yet and are left out."""
@@ -404,14 +426,19 @@ class Scheduler:
             if end > known:  # tokens steps in flight are sampling right now
                 token_ids += (PLACEHOLDER_TOKEN_ID,) * (end - max(start, known))
         pending = request.num_pending_outputs
+        sample = end == known + pending
+        grammar_bitmask = None
+        if sample and request.grammar is not None:
+            grammar_bitmask = request.grammar.next_token_bitmask(outputs)
         return ScheduledRequest(  # by position: the keyword form costs more, once per request a step
             request.request_id,
             token_ids,
             start,
             self._kv_cache_manager.get_block_ids(request.request_id),
-            end == known + pending,
+            sample,
             request.sampling_params,
             len(outputs) + pending,
+            grammar_bitmask,
         )
 
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:

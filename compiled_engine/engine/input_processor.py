@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.model_loader.model_config import ModelConfig
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.structured_output.compiler import GrammarCompilerPool
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
@@ -42,6 +43,8 @@ class InputProcessor:
         tokenizer: PreTrainedTokenizerBase | None,
         model_config: ModelConfig,
         max_model_len: int | None = None,
+        *,
+        grammars: GrammarCompilerPool | None = None,
     ) -> None:
         """`max_model_len` caps prompt + generated tokens; None means the model's max_position_embeddings."""
         if max_model_len is None:
@@ -49,6 +52,8 @@ class InputProcessor:
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         self._tokenizer = tokenizer
+        # Parses (and starts compiling) structured-output constraints; None: they are refused.
+        self._grammars = grammars
         self._vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
 
@@ -63,6 +68,7 @@ class InputProcessor:
         token_ids = self._checked_token_ids(raw_token_ids, request_id)
         self._check_length(len(token_ids), sampling_params.max_tokens, request_id)
         self._check_against_vocab(sampling_params, request_id)
+        self._check_structured_outputs(sampling_params, request_id)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids)
 
     def validate_batch(self, prompts, sampling_params=None) -> list[ValidatedPrompt]:
@@ -177,6 +183,19 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"request {request_id}: {name}={value} is more than the model's {self._vocab_size} tokens"
                 )
+
+    def _check_structured_outputs(self, params: SamplingParams, request_id: str) -> None:
+        """A bad schema, regex or grammar is refused here; a good one starts compiling now."""
+        if params.structured_outputs is None:
+            return
+        if self._grammars is None:
+            raise InvalidRequestError(
+                f"request {request_id}: this engine does not support structured outputs"
+            )
+        try:
+            self._grammars.submit(params.structured_outputs)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"request {request_id}: {exc}") from None
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int, request_id: str) -> None:
         if num_prompt_tokens > self.max_model_len:

@@ -36,6 +36,7 @@ from compiled_engine.outputs import RequestOutput
 from compiled_engine.records.request import Request
 from compiled_engine.records.runner import Runner, RunnerTimeline
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.structured_output.compiler import GrammarCompilerPool
 from compiled_engine.worker import kv_cache
 from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -75,6 +76,9 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.step_graph.close()
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.close()
         if self.tensor_parallel is not None:
             self._finalizer()
 
@@ -205,7 +209,13 @@ class LLMEngine:
             # Rank 0: each step (and what shapes it) reaches every rank before it runs here.
             core_runner = BroadcastingRunner(runner, tp.group, tp.workers)
         self.core = EngineCore(scheduler, core_runner, async_scheduling=config.async_scheduling)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, config.max_model_len)
+        # Structured outputs: each distinct constraint compiled once, on a thread of its own.
+        self.grammars = GrammarCompilerPool(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, config.max_model_len, grammars=self.grammars
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
 
@@ -288,6 +298,11 @@ class LLMEngine:
                     cache_salt=(
                         f"prompt_logprobs:{next(_private_salts)}"
                         if child_params.prompt_logprobs is not None
+                        else None
+                    ),
+                    grammar=(
+                        self.grammars.request_grammar(child_params.structured_outputs)
+                        if child_params.structured_outputs is not None
                         else None
                     ),
                 )

@@ -10,10 +10,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from compiled_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from compiled_engine.structured_output.request_grammar import RequestGrammar
 
 
 class TokenHistory:
@@ -136,6 +140,9 @@ class Request:
     # Keys of the full blocks of the known tokens, filled in by the KV cache manager as tokens
     # arrive (core/kv_cache_manager.py); they stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Structured outputs: the request's matcher over its compiled grammar (None: unconstrained).
+    # The scheduler admits it once the grammar is compiled and asks it for each sampling step's mask.
+    grammar: RequestGrammar | None = field(default=None, repr=False)
     # The request's tokens (prompt, accepted outputs): the one record of them, shared read-only
     # with the runner and the output processor; the scheduler appends to it at update.
     history: TokenHistory = field(init=False, repr=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from compiled_engine.sampling_params import SamplingParams
 
 # Stands for a token the previous step samples on the device and the host does not know yet
@@ -25,6 +27,9 @@ class ScheduledRequest(NamedTuple):
     sampling_params: SamplingParams
     # How many tokens the request has generated before this step (seeded sampling uses it).
     num_output_tokens: int
+    # Structured outputs: the tokens its grammar allows next, packed (structured_output/); None
+    # when the row is unconstrained or does not sample.
+    grammar_bitmask: np.ndarray | None = None
 
 
 class SchedulerOutput(NamedTuple):

@@ -26,6 +26,7 @@ from compiled_engine.records.runner import RunnerTimeline
 from compiled_engine.records.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.structured_output.logits_mask import GrammarMasks
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.persistent_batch import PersistentBatch
@@ -267,6 +268,7 @@ class ModelRunner:
                 self._generator_for(scheduled[row]) if i in staged.special_sampled else None
                 for i, row in enumerate(staged.sampled_rows)
             )
+        grammar_masks = GrammarMasks.of_rows([scheduled[row].grammar_bitmask for row in staged.sampled_rows])
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
         step_number = self.timeline.num_steps
@@ -283,10 +285,12 @@ class ModelRunner:
             k = len(generators)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
-                samples.tokens = self.sampler(logits[:k], tensors)
+                # Structured outputs: tokens the grammar forbids are -inf for everything after.
+                sample_logits = logits[:k] if grammar_masks is None else grammar_masks.apply(logits[:k])
+                samples.tokens = self.sampler(sample_logits, tensors)
                 slot.buffers.sampled_tokens[:k].copy_(samples.tokens, non_blocking=True)
                 if staged.num_top_logprobs is not None:
-                    results = token_logprobs(logits[:k], samples.tokens, staged.num_top_logprobs)
+                    results = token_logprobs(sample_logits, samples.tokens, staged.num_top_logprobs)
                     _copy_logprobs(slot.buffers.sample_logprobs, results)
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows

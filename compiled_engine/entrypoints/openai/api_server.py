@@ -34,6 +34,7 @@ from compiled_engine.entrypoints.openai.protocol import ChatCompletionRequest, C
 from compiled_engine.entrypoints.openai.served_models import ServedModels
 from compiled_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from compiled_engine.entrypoints.openai.tool_parsers import tool_call_parser as tool_call_parser_named
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_engine_on_exit: bool = True,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The app serving `engine`. With `shutdown_engine_on_exit`, the app's lifespan end (server
     shutdown) shuts the engine down too."""
@@ -53,7 +55,7 @@ def build_app(
     metrics = ServerMetrics(engine, models.default)
     engine.add_stats_listener(metrics)
     completions = OpenAIServingCompletion(engine, models, tokenizer)
-    chat = OpenAIServingChat(engine, models, tokenizer)
+    chat = OpenAIServingChat(engine, models, tokenizer, tool_parser=tool_call_parser_named(tool_call_parser))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -205,6 +207,7 @@ def run_server(args: ServerArgs) -> int:
         served_model_names=names,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     config = uvicorn.Config(app, log_level="info", timeout_keep_alive=5)
     server = uvicorn.Server(config)

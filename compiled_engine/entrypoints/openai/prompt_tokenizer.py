@@ -33,7 +33,9 @@ class PromptTokenizer:
             raise bad_request("the prompt is empty", param="prompt")
         return await self._run(lambda: list(self.tokenizer.encode(text)))
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
         """Messages rendered by the model's chat template, then tokenized (the template already
         holds whatever special tokens the model wants, so none are added)."""
         if not self.has_chat_template:
@@ -46,7 +48,7 @@ class PromptTokenizer:
 
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
             )
             return list(self.tokenizer.encode(text, add_special_tokens=False))
 

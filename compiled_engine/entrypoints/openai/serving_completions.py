@@ -23,6 +23,7 @@ from compiled_engine.entrypoints.openai.protocol import (
 from compiled_engine.entrypoints.openai.request_params import Setting, build_sampling_params, common_settings
 from compiled_engine.entrypoints.openai.served_models import ServedModels
 from compiled_engine.entrypoints.openai.streaming import DONE_EVENT, AbortingStreamingResponse, sse_event
+from compiled_engine.entrypoints.openai.structured_request import extension_constraint
 from compiled_engine.outputs import CompletionOutput
 
 
@@ -96,6 +97,8 @@ class OpenAIServingCompletion:
         settings = common_settings(request)
         settings.append(Setting("max_tokens", max_tokens, "max_tokens"))
         settings.append(Setting("logprobs", request.logprobs, "logprobs"))
+        constraint = extension_constraint(request.structured_outputs)
+        settings.append(Setting("structured_outputs", constraint, "structured_outputs"))
         if request.echo and request.logprobs is not None:
             settings.append(Setting("prompt_logprobs", request.logprobs, "echo"))
         return build_sampling_params(settings)
