@@ -160,18 +160,17 @@ def _rate_cell(bench: dict | None) -> str:
     return f"{_decode_rate(bench):,.0f}" if bench else "—"
 
 
-def _peer_missing(peers: dict, peer: str, workload: str) -> str:
+def _peer_missing(peers: dict, peer: str) -> str:
     """What a peer's cell says when it has no result: why it did not run."""
     status = peers.get(peer, {}).get("status", "")
     if status.startswith("not installed"):
         return "not installed"
-    if peer == "llamacpp" and workload == "throughput":
-        return "n/a"  # llama-batched-bench runs sequences of one length only
     return "—"
 
 
 def _peer_headers(peers: dict, *columns: str) -> tuple[str, str]:
-    names = [f" {PEER_LABELS[p]} {c} |" for p in peers for c in columns]
+    """Column headers per peer; "{peer}" in a column stands for its name."""
+    names = [f" {c.format(peer=PEER_LABELS[p])} |" for p in peers for c in columns]
     return "".join(names), "---:|" * len(names)
 
 
@@ -179,7 +178,7 @@ def decode_section(results, plot_name: str | None, peers: dict | None = None) ->
     peers = peers or {}
     lines = ["## Decode: time per output token by concurrency", ""]
     for model in _models(results, "decode"):
-        head, rule = _peer_headers(peers, "TPOT", "decode tok/s")
+        head, rule = _peer_headers(peers, "{peer} TPOT", "{peer} decode tok/s")
         lines += [
             f"**{model}** — TPOT in ms, median (± IQR) over rounds; ratio = ours / HF; "
             "decode tok/s = concurrency / TPOT",
@@ -194,7 +193,7 @@ def decode_section(results, plot_name: str | None, peers: dict | None = None) ->
             cells = ""
             for peer in peers:
                 bench = results.get(("decode", model, p, peer))
-                missing = _peer_missing(peers, peer, "decode")
+                missing = _peer_missing(peers, peer)
                 tpot = _tpot(bench).show(2) if bench else missing
                 cells += f" {tpot} | {_rate_cell(bench) if bench else missing} |"
             lines.append(
@@ -217,7 +216,7 @@ def throughput_section(results, plot_name: str | None, peers: dict | None = None
     peers = peers or {}
     lines = ["## Offline throughput (random prompt and output lengths)", ""]
     for model in _models(results, "throughput"):
-        head, rule = _peer_headers(peers, "tok/s", "ours / it")
+        head, rule = _peer_headers(peers, "{peer} tok/s", "ours / {peer}")
         lines += [
             f"**{model}** — generated tokens/s (wanted tokens only) and wall time; "
             "ratio = ours / HF tokens/s (above 1: ours faster)",
@@ -240,7 +239,7 @@ def throughput_section(results, plot_name: str | None, peers: dict | None = None
             for peer in peers:
                 bench = results.get(("throughput", model, p, peer))
                 r = _throughput(bench) if bench else None
-                missing = _peer_missing(peers, peer, "throughput")
+                missing = _peer_missing(peers, peer)
                 cells += f" {f'{r:,.0f}' if r else missing} | {_ratio(o, r) if r else missing} |"
             lines.append(
                 f"| {p} | {info.get('prompt_tokens', 0):,} | {info['tokens_generated']:,} | "
@@ -289,7 +288,7 @@ def peers_section(runs: list[tuple[dict, dict]]) -> list[str]:
                 ours, hf = _pair(results, "decode", model, p)
                 o = _throughput(ours) if ours else None
                 cells = "".join(
-                    f" {_e2e_cell(results.get(key), _peer_missing(status, peer, 'decode'))} |"
+                    f" {_e2e_cell(results.get(key), _peer_missing(status, peer))} |"
                     for peer in peers
                     for key in [("decode", model, p, peer)]
                 )
@@ -469,6 +468,15 @@ METHOD = """## Method
   padding work of static batching is HF's real cost in this setting).
 - Cold start: a fresh `python -c` process per round, timed from launch to the first token, so it
   includes importing torch; the OS file cache is warm.
+- Peers (`--peer`, bench/peers/): the same requests, in the same session, each peer timing its own
+  rounds after its own warm-up round. vLLM (CPU build, its own venv, tcmalloc + Intel OpenMP
+  preloaded, its default thread binding, prefix caching off, the engine limits ours gets): `generate`
+  for throughput, `add_request` + `step()` by hand for decode, as ours. llama.cpp: the model
+  converted to GGUF in the same dtype, `llama-batched-bench -npp P -ntg (O-1) -npl N` with as many
+  threads as ours; it feeds random ids and does not sample, so it times the forward passes (the
+  prefill, whose logits give the first token, and O-1 decode steps). Its throughput column comes
+  from llama-bench-mixed (bench/peers/llamacpp_mixed.cpp), a continuous-batching driver of libllama
+  given ours' limits (sequences, token budget per step), greedy; no warm-up round, as ours.
 """
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from bench import report
-from bench.peers.llamacpp import batched_bench_argv, parse_jsonl
+from bench.peers.llamacpp import batched_bench_argv, mixed_argv, parse_jsonl
 from bench.peers.spec import PeerSpec, missing_reason, parse_peer, parse_peers
+from bench.runners import EngineSettings
 from bench.workloads import sizes_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,15 @@ def test_batched_bench_runs_the_decode_workloads_steps_and_parses_its_lines(tmp_
     (found,) = parse_jsonl(f"main: loading\n{line}\n\nllama_perf_context_print: ...")
     assert (found.sequences, found.prompt_len, found.decode_steps) == (16, 64, 63)
     assert (found.prefill_s, found.decode_s) == (0.5, 1.5)
+
+
+def test_the_mixed_length_driver_gets_our_engine_limits(tmp_path):
+    settings = EngineSettings(
+        max_model_len=768, max_num_seqs=300, max_num_batched_tokens=2048, num_kv_blocks=1
+    )
+    argv = mixed_argv(PeerSpec("llamacpp", tmp_path), tmp_path / "m.gguf", tmp_path / "r.txt", settings, 1, 2)
+    # THREADS MAX_MODEL_LEN MAX_SEQS (capped at llama.cpp's 256) TOKEN_BUDGET ROUNDS
+    assert argv[3:] == ["2", "768", "256", "2048", "1"]
 
 
 def _run_pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:

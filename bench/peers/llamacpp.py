@@ -1,10 +1,15 @@
-"""llama.cpp as a peer: the bench model as GGUF (converted once, cached) and llama-batched-bench runs.
+"""llama.cpp as a peer: the bench model as GGUF (converted once, cached), llama-batched-bench for the
+decode workload and llama-bench-mixed (bench/peers/llamacpp_mixed.cpp) for the throughput one.
 
 llama-batched-bench is llama.cpp's own tool for N sequences of one prompt length decoding together:
 it prefills N prompts of `npp` tokens (each its own sequence), then runs `ntg` decode steps of N
 tokens. It feeds random token ids and does not sample, so it times the forward passes only. Our
 decode workload's round (prompt P -> O greedy tokens) is one prefill, whose logits give the first
 token, plus O - 1 decode steps: the same forward work as -npp P -ntg (O - 1).
+
+llama.cpp has no offline tool for requests of mixed lengths; llama-bench-mixed is a small
+continuous-batching driver of libllama built beside it (decode tokens first, then prompt chunks up to
+the step's token budget, argmax sampling), given the engine limits ours gets.
 """
 
 from __future__ import annotations
@@ -13,13 +18,19 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.peers.spec import GGUF_PYTHON, LLAMACPP_BINARY, PeerSpec
+from bench.runners import EngineSettings
+from bench.workloads import BenchRequest
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# llama.cpp's limit on sequences in one context (LLAMA_MAX_SEQ).
+LLAMA_MAX_SEQUENCES = 256
 CONVERTER = Path(__file__).with_name("gguf_convert.py")
+MIXED_BINARY = "bin/llama-bench-mixed"
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,43 @@ def run_batched_bench(
             f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
         )
     return rounds
+
+
+@dataclass(frozen=True)
+class MixedRound:
+    elapsed_s: float
+    tokens_generated: int
+    steps: int
+
+
+def mixed_argv(
+    spec: PeerSpec, gguf: Path, requests_file: Path, settings: EngineSettings, rounds: int, threads: int
+):
+    return [
+        str(spec.path / MIXED_BINARY), str(gguf), str(requests_file), str(threads),
+        str(settings.max_model_len), str(min(settings.max_num_seqs, LLAMA_MAX_SEQUENCES)),
+        str(settings.max_num_batched_tokens), str(rounds),
+    ]  # fmt: skip
+
+
+def run_mixed(
+    spec: PeerSpec,
+    gguf: Path,
+    requests: list[BenchRequest],
+    settings: EngineSettings,
+    rounds: int,
+    threads: int,
+) -> list[MixedRound]:
+    with tempfile.NamedTemporaryFile("w", prefix="bench-mixed-", suffix=".txt") as listing:
+        for r in requests:
+            listing.write(" ".join(map(str, (r.output_len, *r.prompt_token_ids))) + "\n")
+        listing.flush()
+        argv = mixed_argv(spec, gguf, Path(listing.name), settings, rounds, threads)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=7200)
+    found = [MixedRound(**json.loads(line)) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or len(found) != rounds:
+        raise RuntimeError(f"{' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return found
 
 
 if __name__ == "__main__":

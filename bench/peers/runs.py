@@ -3,7 +3,8 @@
 A PeerSession holds what `--peer` named and whether each is installed; the suites ask it for one
 workload at a time. vLLM keeps one engine per (model, dtype) alive in a worker process for the whole
 bench session (bench/peers/vllm_runner.py), so it starts once, as ours does. llama.cpp runs
-llama-batched-bench once per (model, dtype, concurrency) (bench/peers/llamacpp.py).
+llama-batched-bench once per (model, dtype, concurrency) and llama-bench-mixed once per throughput
+request set (bench/peers/llamacpp.py).
 
 The peers time their own rounds (in their process, after their warm-up), so a suite records the
 peer's round times, not the wall time of the call that fetched them (bench/report.py reads them).
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bench.peers import launch
-from bench.peers.llamacpp import gguf_path, run_batched_bench
+from bench.peers.llamacpp import MIXED_BINARY, gguf_path, run_batched_bench, run_mixed
 from bench.peers.spec import LLAMACPP, VLLM, PeerSpec, missing_reason
 from bench.runners import EngineSettings, RunResult
 from bench.workloads import BenchRequest
@@ -154,9 +155,13 @@ class PeerSession:
         """Requests of mixed lengths, all handed over at once (bench/test_throughput.py)."""
         spec = self._check(peer)
         if peer == LLAMACPP:
-            raise PeerUnavailable(
-                "llamacpp: n/a — llama-batched-bench runs sequences of one prompt and output length"
-            )
+            if not (spec.path / MIXED_BINARY).exists():
+                raise PeerUnavailable(
+                    f"llamacpp: {spec.path / MIXED_BINARY} missing (scripts/peers/llamacpp_build.sh)"
+                )
+            gguf = gguf_path(spec, model_dir, dtype)
+            found = run_mixed(spec, gguf, requests, settings, rounds, launch.bench_threads())
+            return [RunResult(r.elapsed_s, r.tokens_generated) for r in found]
         worker = self._vllm_worker(spec, model_dir, dtype, settings, warm)
         found_rounds = worker.run("throughput", f"throughput-{len(requests)}", requests, rounds, 0)
         return [RunResult(r["elapsed_s"], r["tokens_generated"]) for r in found_rounds]
