@@ -20,8 +20,10 @@ VLLM_KV_CACHE_GIB = 3
 
 
 def bench_threads() -> int:
-    """The cores this process may use: ours and HF run torch on all of them, so the peers do too."""
-    return len(os.sched_getaffinity(0))
+    """Ours' and HF's torch thread count (OMP_NUM_THREADS where set, else every core this process
+    may use), so llama.cpp runs as many."""
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0))
 
 
 def venv_root(python: Path) -> Path:
