@@ -3,10 +3,13 @@
 `--bench-size full|quick|smoke` (or `--bench-quick`, or env BENCH_SIZE) picks the sizes in
 bench/workloads.py. Each test is parametrised by model and by system ("ours" / "hf"); both systems of
 one workload share a benchmark group, so one JSON holds the pair.
+`--peer vllm=PYTHON` / `--peer llamacpp=DIR` add those engines as systems of the decode and
+throughput suites (bench/peers/); `--bench-model NAME` (repeatable) picks the models.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import statistics
@@ -16,11 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.models import max_positions, resolve_model
+from bench.models import max_positions, model_names, resolve_model
+from bench.peers.runs import PeerSession, PeerUnavailable
+from bench.peers.spec import PEER_NAMES, PEER_PATHS, parse_peers
 from bench.runners import EngineSettings, engine_settings, load_engine, load_hf, run_engine_generate
 from bench.workloads import SIZE_PROFILES, BenchSizes, fixed_requests, sizes_for
 
 SYSTEMS = ("ours", "hf")
+# The suites a `--peer` joins (each peer runs the same requests there).
+PEER_SUITES = ("test_decode", "test_throughput")
 BENCH_DTYPES = ("float32", "bfloat16")
 
 
@@ -50,7 +57,16 @@ def pytest_addoption(parser):
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="a peer beside ours, e.g. vllm=/work/peers/vllm-venv/bin/python (repeatable)",
+        help="also time a peer engine in the decode and throughput suites (repeatable): "
+        + "; ".join(f"{name}=PATH, PATH {PEER_PATHS[name]}" for name in PEER_NAMES)
+        + ". One that is not installed there gets a 'not installed' column.",
+    )
+    group.addoption(
+        "--bench-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"time only these models (repeatable; default: the profile's): {model_names()}",
     )
 
 
@@ -62,6 +78,16 @@ def _profile(config) -> str:
 
 def pytest_configure(config):
     config._bench_sizes = sizes_for(_profile(config))
+    models = config.getoption("--bench-model")
+    unknown = [m for m in models if m not in model_names()]
+    if unknown:
+        raise pytest.UsageError(f"--bench-model {unknown}: unknown model, expected one of {model_names()}")
+    if models:
+        config._bench_sizes = dataclasses.replace(config._bench_sizes, models=tuple(dict.fromkeys(models)))
+    try:
+        config._bench_peers = PeerSession(parse_peers(config.getoption("--peer")))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     dtype = config.getoption("--bench-dtype") or os.environ.get("BENCH_DTYPE") or "float32"
     if dtype not in BENCH_DTYPES:
         raise pytest.UsageError(f"BENCH_DTYPE must be one of {BENCH_DTYPES}, got {dtype!r}")
@@ -73,9 +99,10 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     sizes: BenchSizes = metafunc.config._bench_sizes
     models = sizes.startup_models if metafunc.function.__name__ == "test_startup" else sizes.models
+    peers = metafunc.config._bench_peers.names() if metafunc.function.__name__ in PEER_SUITES else []
     params = {
         "model_name": list(models),
-        "system": list(SYSTEMS),
+        "system": [*SYSTEMS, *peers],
         "prompt_len": list(sizes.ttft_prompt_lens),
         "concurrency": list(sizes.decode_concurrency),
         "num_requests": list(sizes.throughput_requests),
@@ -85,13 +112,29 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(name, values)
 
 
+def pytest_collection_modifyitems(config, items):
+    """A peer that is not installed skips its tests up front (its column says "not installed")."""
+    status = config._bench_peers.status
+    for item in items:
+        system = item.callspec.params.get("system") if hasattr(item, "callspec") else None
+        if system in status and status[system] != "installed":
+            item.add_marker(pytest.mark.skip(reason=f"{system}: {status[system]}"))
+
+
 class BenchSession:
     """Models, engines and HF models, each built once per session and only when a test needs it."""
 
-    def __init__(self, sizes: BenchSizes, dtype: str = "float32", attention_backend: str = "auto") -> None:
+    def __init__(
+        self,
+        sizes: BenchSizes,
+        dtype: str = "float32",
+        attention_backend: str = "auto",
+        peers: PeerSession | None = None,
+    ) -> None:
         self.sizes = sizes
         self.dtype = dtype
         self.attention_backend = attention_backend
+        self.peers = peers or PeerSession({})
         self._engines: dict[str, object] = {}
         self._hf: dict[str, object] = {}
         # Median cold start-up seconds of ours per model, for the warm/cold check.
@@ -157,12 +200,38 @@ class BenchSession:
             self._hf[name] = model
         return self._hf[name]
 
+    def peer_results(
+        self, benchmark, system: str, name: str, workload: str, requests, rounds: int, warmup: int
+    ):
+        """A peer's measured rounds of `requests` (bench/peers/runs.py); skips when it cannot run.
+
+        The peer times its rounds in its own process after its own warm-up; pytest-benchmark times
+        the one call that fetches them, which the report does not read for peers (timed_in)."""
+        warm = fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
+        args = (system, self.model_dir(name), self.dtype, self.settings(name), warm, requests)
+        results: list = []
+
+        def fetch():
+            if workload == "decode":
+                return self.peers.decode(*args, rounds, warmup)
+            return self.peers.throughput(*args, rounds)
+
+        try:
+            benchmark.pedantic(lambda: results.extend(fetch()), rounds=1, iterations=1, warmup_rounds=0)
+        except PeerUnavailable as exc:
+            pytest.skip(str(exc))
+        benchmark.extra_info["timed_in"] = "peer"
+        return results
+
 
 @pytest.fixture(scope="session")
-def bench_session(request) -> BenchSession:
-    return BenchSession(
-        request.config._bench_sizes, request.config._bench_dtype, request.config._bench_attention_backend
+def bench_session(request):
+    config = request.config
+    session = BenchSession(
+        config._bench_sizes, config._bench_dtype, config._bench_attention_backend, config._bench_peers
     )
+    yield session
+    session.peers.close()
 
 
 @pytest.fixture(scope="session")
@@ -218,4 +287,5 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "machine": describe_machine(),
         "rates": rates.__dict__,
         "floors": floors,
+        "peers": config._bench_peers.describe(),
     }

@@ -31,9 +31,30 @@ BENCH_SMALL_SEED = 1234
 # Bumped whenever BENCH_SMALL_CONFIG or the initialisation changes, so a stale cached copy is rebuilt.
 BENCH_SMALL_VERSION = "1"
 
+# Qwen2.5-0.5B's shape (its published config), random weights saved in bf16: the size where one
+# decode step is a ~1 GB weight read, for the peer comparison (#19). Not in any profile's default
+# models (a full run would take hours): `--bench-model qwen2.5-0.5b-shape` asks for it.
+QWEN05_SHAPE_CONFIG = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+QWEN05_SHAPE_SEED = 4321
+QWEN05_SHAPE_VERSION = "1"
+
 CACHE_ENV = "COMPILED_ENGINE_BENCH_CACHE"
 BENCH_SMALL = "bench-small"
 EMBEDDED = "embedded"
+QWEN05_SHAPE = "qwen2.5-0.5b-shape"
 # The tiny random Llama the unit tests build (tests/model_factory.py, default arguments): only the
 # start-up suite times it, for the warm/cold ratio on "the test model".
 TEST_TINY = "test-tiny"
@@ -58,13 +79,31 @@ def _build_bench_small(out_dir: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(BENCH_SMALL_SEED)
         model = LlamaForCausalLM(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(BENCH_SMALL_SEED)
+    _randomise(model, BENCH_SMALL_SEED)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def _randomise(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            # Norms near 1, everything else small: activations stay finite through 6 layers.
+            # Norms near 1, everything else small: activations stay finite through the layers.
             param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.02 * noise)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _build_qwen05_shape(out_dir: Path) -> None:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**QWEN05_SHAPE_CONFIG)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(QWEN05_SHAPE_SEED)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    _randomise(model, QWEN05_SHAPE_SEED)
+    model = model.to(torch.bfloat16)
+    eos = QWEN05_SHAPE_CONFIG["eos_token_id"]
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
@@ -83,6 +122,15 @@ def bench_small_dir(root: Path | None = None) -> Path:
         (root or cache_root()) / f"{BENCH_SMALL}-v{BENCH_SMALL_VERSION}",
         _build_bench_small,
         {"seed": BENCH_SMALL_SEED, "version": BENCH_SMALL_VERSION, **BENCH_SMALL_CONFIG},
+    )
+
+
+def qwen05_shape_dir(root: Path | None = None) -> Path:
+    """The Qwen2.5-0.5B-shaped folder (~1 GB), built once and reused."""
+    return _built_once(
+        (root or cache_root()) / f"{QWEN05_SHAPE}-v{QWEN05_SHAPE_VERSION}",
+        _build_qwen05_shape,
+        {"seed": QWEN05_SHAPE_SEED, "version": QWEN05_SHAPE_VERSION, **QWEN05_SHAPE_CONFIG},
     )
 
 
@@ -126,7 +174,7 @@ def embedded_model() -> BenchModel:
 
 
 def model_names() -> list[str]:
-    return [EMBEDDED, BENCH_SMALL, TEST_TINY]
+    return [EMBEDDED, BENCH_SMALL, TEST_TINY, QWEN05_SHAPE]
 
 
 def resolve_model(name: str) -> BenchModel:
@@ -137,6 +185,8 @@ def resolve_model(name: str) -> BenchModel:
         return embedded_model()
     if name == TEST_TINY:
         return BenchModel(TEST_TINY, tiny_test_model_dir())
+    if name == QWEN05_SHAPE:
+        return BenchModel(QWEN05_SHAPE, qwen05_shape_dir())
     raise ValueError(f"unknown bench model {name!r}; expected one of {model_names()}")
 
 

@@ -1,6 +1,7 @@
 """Turn a pytest-benchmark JSON from `pytest bench/` into docs/benchmarks.md and docs/bench-*.png.
 
 Usage: python -m bench.report RESULTS.json [--out-dir docs]
+       python -m bench.report --peers-table RESULTS.json [MORE.json ...]   (prints the peers table)
 
 The hand-written reading of the numbers lives between the READING markers in the existing
 benchmarks.md and is carried over when the file is regenerated.
@@ -18,7 +19,8 @@ from pathlib import Path
 READING_START = "<!-- reading:start -->"
 READING_END = "<!-- reading:end -->"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "docs"
-SYSTEM_LABELS = {"ours": "compiled-engine", "hf": "HF transformers"}
+SYSTEM_LABELS = {"ours": "compiled-engine", "hf": "HF transformers", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+PEER_LABELS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,16 @@ def _params(results, workload: str, model: str) -> list[int]:
     return sorted({p for (w, m, p, _) in results if w == workload and m == model})
 
 
+def _round_seconds(bench: dict) -> list[float]:
+    """Seconds per measured round: a peer's own round times (it timed them in its process, after its
+    warm-up), else pytest-benchmark's."""
+    if bench["extra_info"].get("timed_in") == "peer":
+        return bench["extra_info"]["round_elapsed_s"]
+    return bench["stats"]["data"]
+
+
 def _latency(bench: dict, scale: float) -> Spread:
-    return spread(bench["stats"]["data"], scale)
+    return spread(_round_seconds(bench), scale)
 
 
 def _ratio(ours: float | None, hf: float | None) -> str:
@@ -150,24 +160,46 @@ def _rate_cell(bench: dict | None) -> str:
     return f"{_decode_rate(bench):,.0f}" if bench else "—"
 
 
-def decode_section(results, plot_name: str | None) -> list[str]:
+def _peer_missing(peers: dict, peer: str) -> str:
+    """What a peer's cell says when it has no result: why it did not run."""
+    status = peers.get(peer, {}).get("status", "")
+    if status.startswith("not installed"):
+        return "not installed"
+    return "—"
+
+
+def _peer_headers(peers: dict, *columns: str) -> tuple[str, str]:
+    """Column headers per peer; "{peer}" in a column stands for its name."""
+    names = [f" {c.format(peer=PEER_LABELS[p])} |" for p in peers for c in columns]
+    return "".join(names), "---:|" * len(names)
+
+
+def decode_section(results, plot_name: str | None, peers: dict | None = None) -> list[str]:
+    peers = peers or {}
     lines = ["## Decode: time per output token by concurrency", ""]
     for model in _models(results, "decode"):
+        head, rule = _peer_headers(peers, "{peer} TPOT", "{peer} decode tok/s")
         lines += [
             f"**{model}** — TPOT in ms, median (± IQR) over rounds; ratio = ours / HF; "
             "decode tok/s = concurrency / TPOT",
             "",
-            "| concurrency | ours TPOT | HF TPOT | ratio | ours decode tok/s | HF decode tok/s |",
-            "|---:|---:|---:|---:|---:|---:|",
+            f"| concurrency | ours TPOT | HF TPOT | ratio | ours decode tok/s | HF decode tok/s |{head}",
+            f"|---:|---:|---:|---:|---:|---:|{rule}",
         ]
         for p in _params(results, "decode", model):
             ours, hf = _pair(results, "decode", model, p)
             o = _tpot(ours) if ours else None
             h = _tpot(hf) if hf else None
+            cells = ""
+            for peer in peers:
+                bench = results.get(("decode", model, p, peer))
+                missing = _peer_missing(peers, peer)
+                tpot = _tpot(bench).show(2) if bench else missing
+                cells += f" {tpot} | {_rate_cell(bench) if bench else missing} |"
             lines.append(
                 f"| {p} | {o.show(2) if o else '—'} | {h.show(2) if h else '—'} | "
                 f"{_ratio(o and o.median, h and h.median)} | "
-                f"{_rate_cell(ours)} | {_rate_cell(hf)} |"
+                f"{_rate_cell(ours)} | {_rate_cell(hf)} |{cells}"
             )
         lines.append("")
     if plot_name:
@@ -176,33 +208,99 @@ def decode_section(results, plot_name: str | None) -> list[str]:
 
 
 def _throughput(bench: dict) -> float:
-    return bench["extra_info"]["tokens_generated"] / bench["stats"]["median"]
+    """Generated tokens / the median round's seconds."""
+    return bench["extra_info"]["tokens_generated"] / statistics.median(_round_seconds(bench))
 
 
-def throughput_section(results, plot_name: str | None) -> list[str]:
+def throughput_section(results, plot_name: str | None, peers: dict | None = None) -> list[str]:
+    peers = peers or {}
     lines = ["## Offline throughput (random prompt and output lengths)", ""]
     for model in _models(results, "throughput"):
+        head, rule = _peer_headers(peers, "{peer} tok/s", "ours / {peer}")
         lines += [
             f"**{model}** — generated tokens/s (wanted tokens only) and wall time; "
             "ratio = ours / HF tokens/s (above 1: ours faster)",
             "",
-            "| requests | prompt tokens | output tokens | ours tok/s | HF tok/s | ratio | ours s | HF s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| requests | prompt tokens | output tokens | ours tok/s | HF tok/s | ratio | ours s | HF s |"
+            + head,
+            f"|---:|---:|---:|---:|---:|---:|---:|---:|{rule}",
         ]
         for p in _params(results, "throughput", model):
             ours, hf = _pair(results, "throughput", model, p)
-            any_bench = ours or hf
+            any_bench = (
+                ours
+                or hf
+                or next(b for (w, m, q, _), b in results.items() if (w, m, q) == ("throughput", model, p))
+            )
             info = any_bench["extra_info"]
             o = _throughput(ours) if ours else None
             h = _throughput(hf) if hf else None
+            cells = ""
+            for peer in peers:
+                bench = results.get(("throughput", model, p, peer))
+                r = _throughput(bench) if bench else None
+                missing = _peer_missing(peers, peer)
+                cells += f" {f'{r:,.0f}' if r else missing} | {_ratio(o, r) if r else missing} |"
             lines.append(
-                f"| {p} | {info['prompt_tokens']:,} | {info['tokens_generated']:,} | "
+                f"| {p} | {info.get('prompt_tokens', 0):,} | {info['tokens_generated']:,} | "
                 f"{f'{o:,.0f}' if o else '—'} | {f'{h:,.0f}' if h else '—'} | {_ratio(o, h)} | "
                 f"{_latency(ours, 1).show(1) if ours else '—'} | {_latency(hf, 1).show(1) if hf else '—'} |"
+                + cells
             )
         lines.append("")
     if plot_name:
         lines += [f"![throughput vs requests]({plot_name})", ""]
+    return lines
+
+
+def _e2e_cell(bench: dict | None, missing: str) -> str:
+    """End-to-end generated tok/s of a decode round, decode-only tok/s in brackets."""
+    if bench is None:
+        return missing
+    return f"{_throughput(bench):,.0f} ({_decode_rate(bench):,.0f})"
+
+
+def peers_section(runs: list[tuple[dict, dict]]) -> list[str]:
+    """The decode workload's rounds, ours beside the peers and HF, from one or more sessions (one
+    per dtype): end-to-end tok/s = requests x output tokens / round seconds (prefill included)."""
+    peers = [p for p in PEER_LABELS if any(p in c.get("peers", {}) for c, _ in runs)]
+    if not peers:
+        return []
+    head = "".join(f" {PEER_LABELS[p]} |" for p in peers)
+    ratios = "".join(f" ours / {PEER_LABELS[p]} |" for p in peers)
+    lines = [
+        "## Beside the peers (decode workload, end to end)",
+        "",
+        "Generated tok/s, end to end (requests × output tokens / median round time, prefill "
+        "included), decode-only in brackets (requests / TPOT); ratios on the end-to-end figures "
+        "(above 1: ours faster). Each row's systems ran in one session.",
+        "",
+        f"| model, dtype, requests | ours |{head} HF |{ratios} ours / HF |",
+        "|---|---:|" + "---:|" * (2 * len(peers) + 2),
+    ]
+    for context, results in runs:
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(
+            context.get("dtype", "float32"), context.get("dtype")
+        )
+        status = context.get("peers", {})
+        for model in _models(results, "decode"):
+            for p in _params(results, "decode", model):
+                ours, hf = _pair(results, "decode", model, p)
+                o = _throughput(ours) if ours else None
+                cells = "".join(
+                    f" {_e2e_cell(results.get(key), _peer_missing(status, peer))} |"
+                    for peer in peers
+                    for key in [("decode", model, p, peer)]
+                )
+                ratio_cells = ""
+                for peer in peers:
+                    bench = results.get(("decode", model, p, peer))
+                    ratio_cells += f" {_ratio(o, _throughput(bench)) if bench else '—'} |"
+                lines.append(
+                    f"| {model} {dtype}, {p} | {_e2e_cell(ours, '—')} |{cells} {_e2e_cell(hf, '—')} |"
+                    f"{ratio_cells} {_ratio(o, _throughput(hf) if hf else None)} |"
+                )
+    lines.append("")
     return lines
 
 
@@ -370,6 +468,15 @@ METHOD = """## Method
   padding work of static batching is HF's real cost in this setting).
 - Cold start: a fresh `python -c` process per round, timed from launch to the first token, so it
   includes importing torch; the OS file cache is warm.
+- Peers (`--peer`, bench/peers/): the same requests, in the same session, each peer timing its own
+  rounds after its own warm-up round. vLLM (CPU build, its own venv, tcmalloc + Intel OpenMP
+  preloaded, its default thread binding, prefix caching off, the engine limits ours gets): `generate`
+  for throughput, `add_request` + `step()` by hand for decode, as ours. llama.cpp: the model
+  converted to GGUF in the same dtype, `llama-batched-bench -npp P -ntg (O-1) -npl N` with as many
+  threads as ours; it feeds random ids and does not sample, so it times the forward passes (the
+  prefill, whose logits give the first token, and O-1 decode steps). Its throughput column comes
+  from llama-bench-mixed (bench/peers/llamacpp_mixed.cpp), a continuous-batching driver of libllama
+  given ours' limits (sequences, token budget per step), greedy; no warm-up round, as ours.
 """
 
 
@@ -381,7 +488,7 @@ def _plot(results, path: Path, workload: str, ylabel: str, value, title: str) ->
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for model in _models(results, workload):
-        for system, style in (("ours", "-o"), ("hf", "--s")):
+        for system, style in (("ours", "-o"), ("hf", "--s"), ("vllm", ":^"), ("llamacpp", "-.d")):
             points = [
                 (p, value(results[(workload, model, p, system)]))
                 for p in _params(results, workload, model)
@@ -443,8 +550,10 @@ def write_report(results_path: Path, out_dir: Path, plots: bool = True) -> Path:
     lines += ["## Reading", "", READING_START, reading, READING_END, ""]
     lines += ttft_section(results)
     lines += prefix_cache_section(results)
-    lines += decode_section(results, decode_png)
-    lines += throughput_section(results, throughput_png)
+    peers = context.get("peers", {})
+    lines += decode_section(results, decode_png, peers)
+    lines += peers_section([(context, results)])
+    lines += throughput_section(results, throughput_png, peers)
     lines += startup_section(results)
     lines += step_timeline_section(results)
     lines += floors_section(context)
@@ -456,13 +565,23 @@ def write_report(results_path: Path, out_dir: Path, plots: bool = True) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "results", type=Path, help="pytest-benchmark JSON from `pytest bench/ --benchmark-json`"
+        "results", type=Path, nargs="+", help="pytest-benchmark JSON from `pytest bench/ --benchmark-json`"
+    )
+    parser.add_argument(
+        "--peers-table",
+        action="store_true",
+        help="print only the beside-the-peers table, from every JSON given (e.g. one per dtype)",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where benchmarks.md goes")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
     args = parser.parse_args(argv)
     try:
-        target = write_report(args.results, args.out_dir, plots=not args.no_plots)
+        if args.peers_table:
+            print("\n".join(peers_section([load(path) for path in args.results])))
+            return 0
+        if len(args.results) != 1:
+            raise ValueError("one RESULTS.json makes the report (several only with --peers-table)")
+        target = write_report(args.results[0], args.out_dir, plots=not args.no_plots)
     except (OSError, ValueError) as exc:
         print(f"bench.report: {exc}", file=sys.stderr)
         return 1

@@ -1,11 +1,9 @@
 """Peer servers for the serving suite: which peers were asked for, and vLLM's OpenAI server launched
 as its CPU guide says.
 
-`--peer vllm=PYTHON` names the interpreter of a venv holding vLLM's CPU wheel (built by
-scripts/peers/vllm_venv.sh). The option is read with `config.getoption("--peer", None)`, so this
-module works whether bench/conftest.py registers it (a list of NAME=PATH strings) or not; the
-env var BENCH_PEERS ("vllm=PYTHON,...") is read too. A peer not given, or whose interpreter is
-missing, is "not installed".
+`--peer vllm=PYTHON` (bench/conftest.py) names the interpreter of a venv holding vLLM's CPU wheel
+(built by scripts/peers/vllm_venv.sh). A peer not given, or whose interpreter is missing, is
+"not installed".
 
 vLLM on CPU: tcmalloc and the wheel's Intel OpenMP preloaded (LD_PRELOAD), its OpenMP threads bound
 to the same number of cores our engine uses, the same model folder and dtype.
@@ -18,26 +16,12 @@ import os
 import subprocess
 from pathlib import Path
 
+from bench.peers.spec import parse_peers
 from bench.serving_harness import ServerProcess, free_port
 
-PEERS_ENV = "BENCH_PEERS"
-
-
 def requested_peers(config) -> dict[str, str]:
-    """NAME -> PATH for every peer asked for on the command line or in BENCH_PEERS."""
-    given = config.getoption("--peer", None) or []
-    if isinstance(given, dict):
-        return {k: str(v) for k, v in given.items()}
-    if isinstance(given, str):
-        given = [given]
-    entries = list(given) + [e for e in os.environ.get(PEERS_ENV, "").split(",") if e]
-    peers = {}
-    for entry in entries:
-        name, sep, path = str(entry).partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"a peer is NAME=PATH (e.g. vllm=/path/to/venv/bin/python), got {entry!r}")
-        peers[name] = path
-    return peers
+    """NAME -> PATH for every `--peer` given (bench/peers/spec.py parses and checks them)."""
+    return {name: str(spec.path) for name, spec in parse_peers(config.getoption("--peer", None)).items()}
 
 
 def vllm_python(config) -> tuple[str | None, str]:

@@ -24,26 +24,31 @@ def test_decode(benchmark, bench_session, sizes, model_name, system, concurrency
     requests = fixed_requests(
         concurrency, sizes.decode_prompt_len, sizes.decode_output_len, vocab, seed=concurrency
     )
-    if system == "ours":
-        llm = bench_session.engine(model_name)
-
-        def run():
-            return run_engine_decode(llm, requests)
-    else:
-        model = bench_session.hf(model_name)
-
-        def run():
-            return run_hf_decode(model, requests)
-
-    results = []
     benchmark.group = f"decode {model_name} concurrency={concurrency}"
-    benchmark.pedantic(
-        lambda: results.append(run()),
-        rounds=sizes.decode_rounds,
-        iterations=1,
-        warmup_rounds=WARMUP_ROUNDS,
-    )
-    results = measured(results, WARMUP_ROUNDS)
+    if system not in ("ours", "hf"):  # a --peer: it times its own rounds (bench/peers/)
+        results = bench_session.peer_results(
+            benchmark, system, model_name, "decode", requests, sizes.decode_rounds, WARMUP_ROUNDS
+        )
+    else:
+        if system == "ours":
+            llm = bench_session.engine(model_name)
+
+            def run():
+                return run_engine_decode(llm, requests)
+        else:
+            model = bench_session.hf(model_name)
+
+            def run():
+                return run_hf_decode(model, requests)
+
+        results = []
+        benchmark.pedantic(
+            lambda: results.append(run()),
+            rounds=sizes.decode_rounds,
+            iterations=1,
+            warmup_rounds=WARMUP_ROUNDS,
+        )
+        results = measured(results, WARMUP_ROUNDS)
     assert all(r.tokens_generated == concurrency * sizes.decode_output_len for r in results)
     assert all(r.decode_steps == sizes.decode_output_len - 1 for r in results), [
         r.decode_steps for r in results

@@ -32,26 +32,31 @@ def test_throughput(benchmark, bench_session, sizes, model_name, system, num_req
         max_model_len,
         seed=num_requests,
     )
-    if system == "ours":
-        llm = bench_session.engine(model_name)
-
-        def run():
-            return run_engine_generate(llm, requests)
-    else:
-        model = bench_session.hf(model_name)
-
-        def run():
-            return run_hf_generate(model, requests, batch_size=sizes.hf_batch_size)
-
-    results = []
     benchmark.group = f"throughput {model_name} requests={num_requests}"
-    benchmark.pedantic(
-        lambda: results.append(run()),
-        rounds=sizes.throughput_rounds,
-        iterations=1,
-        warmup_rounds=WARMUP_ROUNDS,
-    )
-    results = measured(results, WARMUP_ROUNDS)
+    if system not in ("ours", "hf"):  # a --peer: it times its own rounds (bench/peers/)
+        results = bench_session.peer_results(
+            benchmark, system, model_name, "throughput", requests, sizes.throughput_rounds, WARMUP_ROUNDS
+        )
+    else:
+        if system == "ours":
+            llm = bench_session.engine(model_name)
+
+            def run():
+                return run_engine_generate(llm, requests)
+        else:
+            model = bench_session.hf(model_name)
+
+            def run():
+                return run_hf_generate(model, requests, batch_size=sizes.hf_batch_size)
+
+        results = []
+        benchmark.pedantic(
+            lambda: results.append(run()),
+            rounds=sizes.throughput_rounds,
+            iterations=1,
+            warmup_rounds=WARMUP_ROUNDS,
+        )
+        results = measured(results, WARMUP_ROUNDS)
     wanted = sum(r.output_len for r in requests)
     assert all(r.tokens_generated == wanted for r in results)
     record(
