@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from functools import cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
@@ -130,36 +130,52 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedGemvWeight(NamedTuple):
-    version: int
+    version: int  # the weight's version counter when packed (-1: an inference tensor, never changes)
     packed: torch.Tensor
+    packed_ptr: int
     out_features: int
     in_features: int
+    dtype_code: int
 
 
 def _version(weight: torch.Tensor) -> int:
-    try:
-        return weight._version
-    except RuntimeError:  # an inference tensor has no version counter, and cannot change in place
-        return -1
+    # An inference tensor has no version counter (reading it raises), and cannot change in place.
+    return -1 if weight.is_inference() else weight._version
 
 
 class PackedGemvWeights:
-    """Packed copies of weights, keyed by the weight tensor object."""
+    """Packed copies of weights, keyed by the weight tensor object (held weakly).
+
+    A plain dict by `id` with a weak reference beside each entry, not a WeakIdKeyDictionary:
+    this lookup runs ~25 times per decode step, and the weak-keyed dict's costs several times more.
+    """
 
     def __init__(self) -> None:
-        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], PackedGemvWeight]] = {}
 
     def __len__(self) -> int:
         return len(self._copies)
 
     def get(self, weight: torch.Tensor) -> PackedGemvWeight:
         """The packed copy of `weight`, made now if there is none or the weight changed since."""
-        entry = self._copies.get(weight)
-        version = _version(weight)
-        if entry is None or entry.version != version:
-            entry = PackedGemvWeight(version, pack_gemv_weight(weight), *weight.shape)
-            self._copies[weight] = entry
+        key = id(weight)
+        found = self._copies.get(key)
+        if found is not None and found[0]() is weight:
+            entry = found[1]
+            if entry.version == -1 or entry.version == weight._version:
+                return entry
+        packed = pack_gemv_weight(weight)
+        out_features, in_features = weight.shape
+        entry = PackedGemvWeight(
+            _version(weight), packed, packed.data_ptr(), out_features, in_features, _DTYPE_CODES[weight.dtype]
+        )
+        self._copies[key] = (weakref.ref(weight, lambda _, key=key: self._forget(key)), entry)
         return entry
+
+    def _forget(self, key: int) -> None:
+        found = self._copies.get(key)
+        if found is not None and found[0]() is None:  # not a newer weight that reused the id
+            del self._copies[key]
 
 
 PACKED_GEMV_WEIGHTS = PackedGemvWeights()
@@ -189,9 +205,9 @@ def cpu_gemv_linear(
         bias = bias.contiguous()
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=dtype)
     code = load().ce_cpu_gemv(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], entry.packed.data_ptr(),
+        rows.data_ptr(), rows.stride(0), rows.shape[0], entry.packed_ptr,
         None if bias is None else bias.data_ptr(), out.data_ptr(),
-        entry.in_features, entry.out_features, _DTYPE_CODES[dtype], chosen, torch.get_num_threads(),
+        entry.in_features, entry.out_features, entry.dtype_code, chosen, torch.get_num_threads(),
     )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"cpu_gemv: the kernel rejected its arguments (code {code})")
@@ -199,7 +215,25 @@ def cpu_gemv_linear(
 
 
 def _cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return cpu_gemv_linear(x, weight, bias)
+    # The graphs' case, with the checks above reduced to what it needs (this runs ~25 times a
+    # step): a contiguous x of the weight's dtype and no bias. Anything else takes the checked path.
+    entry = PACKED_GEMV_WEIGHTS.get(weight)
+    in_features = entry.in_features
+    if bias is not None or x.dtype != weight.dtype or not x.is_contiguous() or x.shape[-1] != in_features:
+        return cpu_gemv_linear(x, weight, bias)
+    out = x.new_empty((*x.shape[:-1], entry.out_features))
+    code = _kernel()(
+        x.data_ptr(), in_features, x.numel() // in_features, entry.packed_ptr, None, out.data_ptr(),
+        in_features, entry.out_features, entry.dtype_code, best_isa(), torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"cpu_gemv: the kernel rejected its arguments (code {code})")
+    return out
+
+
+@cache
+def _kernel() -> Any:
+    return load().ce_cpu_gemv
 
 
 def _cpu_gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
