@@ -67,6 +67,8 @@ def test_strided_and_batched_inputs(dtype, isa) -> None:
     got = cpu_gemv_linear(batched, w, isa=isa)
     assert got.shape == (1, 3, 77)
     _check(got[0], batched[0], w, None)
+    empty = torch.randn(1, 0, 45).to(dtype)  # no rows at all
+    assert cpu_gemv(empty, w, None).shape == (1, 0, 77)
     transposed = torch.randn(45, 4).to(dtype).t()  # rows of stride 1: copied first
     _check(cpu_gemv_linear(transposed, w, isa=isa), transposed, w, None)
 
