@@ -19,6 +19,7 @@ Which buckets use it is measured per machine (graphs/gemv_policy.py).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import weakref
 from functools import cache
@@ -169,10 +170,10 @@ class PackedGemvWeights:
         entry = PackedGemvWeight(
             _version(weight), packed, packed.data_ptr(), out_features, in_features, _DTYPE_CODES[weight.dtype]
         )
-        self._copies[key] = (weakref.ref(weight, lambda _, key=key: self._forget(key)), entry)
+        self._copies[key] = (weakref.ref(weight, functools.partial(self._forget, key)), entry)
         return entry
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: int, _dead: object = None) -> None:
         found = self._copies.get(key)
         if found is not None and found[0]() is None:  # not a newer weight that reused the id
             del self._copies[key]

@@ -143,3 +143,15 @@ def test_a_path_the_cpu_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot run"):
         cpu_gemv_linear(torch.randn(1, 8), torch.randn(4, 8), isa=ISA_AVX512_BF16)
     assert gemv.ISA_NAMES[best_isa()]
+
+
+def test_a_packed_copy_lives_as_long_as_its_weight() -> None:
+    import gc
+
+    copies = gemv.PackedGemvWeights()
+    w = torch.randn(8, 8)
+    first = copies.get(w)
+    assert copies.get(w) is first and len(copies) == 1  # the same tensor: the same copy
+    del w
+    gc.collect()
+    assert len(copies) == 0
