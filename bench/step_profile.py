@@ -1,11 +1,12 @@
 """Where bench-small's compiled decode step spends its time, by kind of work, on this CPU.
 
-N requests decode together at about `context` tokens each (fp32, compiled buckets, sync loop);
+N requests decode together at about `context` tokens each (fp32 unless --dtype, compiled buckets, sync loop);
 after a few warm-up steps, `--steps` steps run under torch.profiler with Inductor's per-kernel
 profiling on, and each profiled event's own time is put in one group:
 
-- linears: oneDNN's matmuls (`mkldnn::_linear_pointwise`, graphs/passes/onednn_linear.py) or
-  torch's (`aten::mm`/`addmm`/`linear`), whichever the buckets run;
+- linears: oneDNN's matmuls (`mkldnn::_linear_pointwise`, graphs/passes/onednn_linear.py), the
+  C++ GEMV (`compiled_engine::cpu_gemv`, graphs/passes/cpu_gemv.py) or torch's
+  (`aten::mm`/`addmm`/`linear`), whichever the buckets run;
 - attention: Inductor's fused kernels that do the paged-attention maths (their names carry
   `amax`, the softmax's max), the KV-cache write op and the query/block-id copies it reads;
 - other graph kernels: every other Inductor kernel (norms, rotary, activations, residuals);
@@ -15,7 +16,7 @@ profiling on, and each profiled event's own time is put in one group:
   output processing), i.e. step wall time minus the graph's call.
 
     python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10] [--attention-backend cpu]
-                                 [--top N]
+                                 [--top N] [--dtype bfloat16]
 
 The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
 graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
@@ -37,7 +38,13 @@ import time
 from collections import defaultdict
 
 GROUPS = ("linears", "attention", "other graph kernels", "graph wrapper and ops", "outside the graph")
-_LINEAR_EVENTS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
+_LINEAR_EVENTS = (
+    "mkldnn::_linear_pointwise",
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "compiled_engine::cpu_gemv",
+)
 _ATTENTION_EVENTS = (
     "compiled_engine::kv_cache_write",
     "compiled_engine::materialize",
@@ -64,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--attention-backend", default="auto", help="as LLM(attention_backend=...)")
     parser.add_argument("--top", type=int, default=0, help="also list the N costliest events")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args(argv)
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
     if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.context + 16
     llm = LLM(
         str(bench_small_dir()),
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=max_len,
         max_num_seqs=args.seqs,
         max_num_batched_tokens=4096,
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     per_step["graph wrapper and ops"] -= max(0.0, inside - graph_ms)
     per_step["outside the graph"] = wall_ms - graph_ms
     print(
-        f"bench-small fp32, {args.seqs} sequences at ~{args.context} tokens, {args.steps} profiled steps: "
+        f"bench-small {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
+        f"{args.steps} profiled steps: "
         f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median) under the profiler"
     )
     for group in GROUPS:

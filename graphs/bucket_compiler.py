@@ -38,6 +38,7 @@ class BucketVariant(NamedTuple):
     gemv: bool = False  # linears lowered to multiply-sums (graphs/gemv_policy.py)
     inline_attention: bool = False  # attention as fused maths (graphs/passes/inline_attention.py)
     packed_linears: bool = False  # linears on oneDNN-packed weights (graphs/passes/onednn_linear.py)
+    gemv_kernel: bool = False  # linears on the C++ GEMV (graphs/passes/cpu_gemv.py)
 
     @classmethod
     def from_report(cls, passes: PassReport) -> BucketVariant:
@@ -45,6 +46,7 @@ class BucketVariant(NamedTuple):
             gemv=passes.ran("gemv_lowering"),
             inline_attention=passes.ran("inline_attention"),
             packed_linears=passes.ran("pack_linear_weights"),
+            gemv_kernel=passes.ran("cpu_gemv_linears"),
         )
 
 

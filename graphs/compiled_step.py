@@ -402,8 +402,10 @@ class CompiledStep:
             start = time.perf_counter()
             self._gemv = decide_gemv_rows(self._trace().graph, list(self.buckets))
             logger.info(
-                "GEMV lowering for buckets %s, oneDNN-packed linears for %s%s (measured in %.1f s: %s)",
+                "GEMV lowering for buckets %s, C++ GEMV for %s, oneDNN-packed linears for %s%s "
+                "(measured in %.1f s: %s)",
                 list(self._gemv.lowered_rows),
+                list(self._gemv.kernel_rows),
                 list(self._gemv.packed_rows),
                 " and the dynamic graph" if self._gemv.packs_dynamic else "",
                 time.perf_counter() - start,

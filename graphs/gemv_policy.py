@@ -55,6 +55,13 @@ row counts are timed for the two GEMM forms alone, until one has won twice in a 
 row counts, and the dynamic graph above the largest bucket, take that winner. On bench-small
 (2 threads, fp32) the packed form took 2.69 ms where `F.linear` took 5.76 at 8 rows, and won from
 4 rows up (docs/performance.md).
+
+Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a
+row) the hand-written C++ GEMV (kernels/cpu_gemv.py, its weights packed before timing) is timed
+too, on the finished inputs as torch's GEMM is (it runs the same prologue once). A row count
+runs it (`kernel_rows`) where its fastest call beats both GEMM forms, and the lowering
+then has to beat it by _MIN_SPEEDUP as it has to beat the GEMMs. On bench-small (bf16,
+2 threads) it streams the weights at 1 row ~N× faster than `F.linear` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -79,11 +86,18 @@ from compiled_engine.graphs.constant_recipes import RECIPES_META
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_operands
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
+from compiled_engine.kernels.cpu_gemv import (
+    CPU_GEMV_VERSION,
+    PACKED_GEMV_WEIGHTS,
+    cpu_gemv,
+    cpu_gemv_available,
+)
 from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear, onednn_linear_available
 from compiled_engine.kernels.source_version import source_version
 
-# A hash of this source: when the measurement or the decision rule changes, cached decisions stop loading.
-GEMV_POLICY_VERSION = source_version(__name__)
+# A hash of this source and of the C++ GEMV it times: when the measurement, the decision rule or
+# the kernel changes, cached decisions stop loading.
+GEMV_POLICY_VERSION = f"{source_version(__name__)}-{CPU_GEMV_VERSION[:8]}"
 
 # Larger row counts are assumed GEMM after this many GEMM wins in a row.
 _GEMM_WINS_TO_STOP = 2
@@ -92,6 +106,9 @@ _GEMM_WINS_TO_STOP = 2
 # lookups, casts), so the lowered form's real cost is a little higher: on bench-small at
 # 8 rows the linears measured 4.4 ms lowered against 4.8 ms, the whole step 17.6 against 15.0.
 _MIN_SPEEDUP = 1.1
+# Row counts above this never time (or run) the C++ GEMV: it re-reads the weight per 4 rows,
+# and oneDNN's GEMM takes over well before.
+_MAX_KERNEL_ROWS = 8
 # A median this far above the fastest call means other work competed for the cores.
 _NOISY_SPREAD = 1.5
 # Linears in one measured set (see the module docstring); a shape the model has once still
@@ -189,6 +206,8 @@ class RowTiming:
     gemv_best_ms: float | None
     packed_ms: float | None = None  # oneDNN over packed weights
     packed_best_ms: float | None = None
+    kernel_ms: float | None = None  # the C++ GEMV over its packed weights
+    kernel_best_ms: float | None = None
 
     @property
     def packing_wins(self) -> bool:
@@ -196,14 +215,30 @@ class RowTiming:
         return self.packed_best_ms is not None and self.packed_best_ms < self.gemm_best_ms
 
     @property
-    def lowering_wins(self) -> bool:
-        """Whether the lowering beat the faster GEMM form by _MIN_SPEEDUP (fastest calls)."""
-        if self.gemv_best_ms is None:
-            return False
+    def _best_gemm_ms(self) -> float:
         gemm_best = self.gemm_best_ms
         if self.packed_best_ms is not None and self.packed_best_ms < gemm_best:  # packing_wins
             gemm_best = self.packed_best_ms
-        return gemm_best > _MIN_SPEEDUP * self.gemv_best_ms
+        return gemm_best
+
+    @property
+    def lowering_wins(self) -> bool:
+        """Whether the lowering beat the faster GEMM form and the C++ GEMV by _MIN_SPEEDUP (fastest calls)."""
+        if self.gemv_best_ms is None:
+            return False
+        rival = self._best_gemm_ms
+        if self.kernel_best_ms is not None:
+            rival = min(rival, self.kernel_best_ms)
+        return rival > _MIN_SPEEDUP * self.gemv_best_ms
+
+    @property
+    def kernel_wins(self) -> bool:
+        """Whether the C++ GEMV beat both GEMM forms (fastest calls) and the lowering did not win."""
+        return (
+            self.kernel_best_ms is not None
+            and self.kernel_best_ms < self._best_gemm_ms
+            and not self.lowering_wins
+        )
 
     def spreads(self) -> list[float]:
         """Median over fastest call, per timed form."""
@@ -211,6 +246,7 @@ class RowTiming:
             (self.gemm_ms, self.gemm_best_ms),
             (self.gemv_ms, self.gemv_best_ms),
             (self.packed_ms, self.packed_best_ms),
+            (self.kernel_ms, self.kernel_best_ms),
         )
         return [median / best for median, best in pairs if median is not None and best]
 
@@ -219,9 +255,9 @@ class RowTiming:
 class GemvDecision:
     """How each row count (bucket) runs its linears, and the evidence.
 
-    `lowered_rows` get the GEMV lowering; `packed_rows` (none of them lowered) oneDNN over
-    packed weights; any other row count torch's GEMM. `packs_dynamic`: whether the dynamic
-    graph (steps above the largest bucket) packs.
+    `lowered_rows` get the GEMV lowering; `kernel_rows` (none of them lowered) the C++ GEMV;
+    `packed_rows` (neither) oneDNN over packed weights; any other row count torch's GEMM.
+    `packs_dynamic`: whether the dynamic graph (steps above the largest bucket) packs.
     """
 
     lowered_rows: tuple[int, ...]
@@ -235,11 +271,16 @@ class GemvDecision:
     shapes: tuple[tuple[int, int, str, int], ...] = ()
     packed_rows: tuple[int, ...] = ()
     packs_dynamic: bool = False
+    kernel_rows: tuple[int, ...] = ()
     version: str = field(default=GEMV_POLICY_VERSION)
 
     def lowers(self, rows: int) -> bool:
         """Whether a graph run at exactly `rows` token rows should be lowered."""
         return rows in self.lowered_rows
+
+    def runs_kernel(self, rows: int) -> bool:
+        """Whether a graph run at exactly `rows` token rows should run its linears on the C++ GEMV."""
+        return rows in self.kernel_rows
 
     def packs(self, rows: int | None) -> bool:
         """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should pack."""
@@ -277,11 +318,14 @@ class GemvDecision:
                         gemv_best_ms=_optional_float(t["gemv_best_ms"]),
                         packed_ms=_optional_float(t["packed_ms"]),
                         packed_best_ms=_optional_float(t["packed_best_ms"]),
+                        kernel_ms=_optional_float(t["kernel_ms"]),
+                        kernel_best_ms=_optional_float(t["kernel_best_ms"]),
                     )
                     for t in data["timings"]
                 ),
                 packed_rows=tuple(int(r) for r in data["packed_rows"]),
                 packs_dynamic=bool(data["packs_dynamic"]),
+                kernel_rows=tuple(int(r) for r in data["kernel_rows"]),
                 unmeasured_rows=tuple(int(r) for r in data["unmeasured_rows"]),
                 reason=str(data["reason"]),
                 device=str(data["device"]),
@@ -322,11 +366,13 @@ def measure_gemv_rows(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    kernel: bool = True,
 ) -> GemvDecision:
     """Time `shapes` (one per linear, repeats included) both ways per row count.
 
     A plain (out, in) pair is a linear without a prologue. See the module docstring.
     Candidates are measured smallest first; off the CPU nothing is measured or lowered.
+    `kernel`: whether the C++ GEMV is a candidate (where it can run).
     """
     rows_to_try = _check_rows(candidate_rows)
     device = torch.device(device)
@@ -360,32 +406,55 @@ def measure_gemv_rows(
         [torch.rand(o, i, generator=generator, dtype=dtype) for o, i, _ in linears] for _ in range(num_sets)
     ]
     packing = onednn_linear_available(dtype, device)
+    kernel_available = kernel and cpu_gemv_available(dtype, device)
     timings: list[RowTiming] = []
     unmeasured: list[int] = []
     gemm_wins_in_a_row = 0
+    kernel_losses_in_a_row = 0
     # The GEMM form that won the last unlowered rows (packed or not), and how many in a row.
     gemm_form, form_wins_in_a_row = False, 0
     for rows in rows_to_try:
         lowering_in_play = gemm_wins_in_a_row < _GEMM_WINS_TO_STOP
-        if not lowering_in_play and (not packing or form_wins_in_a_row >= _GEMM_WINS_TO_STOP):
+        kernel_in_play = (
+            kernel_available and rows <= _MAX_KERNEL_ROWS and kernel_losses_in_a_row < _GEMM_WINS_TO_STOP
+        )
+        if (
+            not lowering_in_play
+            and not kernel_in_play
+            and (not packing or form_wins_in_a_row >= _GEMM_WINS_TO_STOP)
+        ):
             unmeasured.append(rows)
             continue
-        timing = _time_rows(rows, linears, weight_sets, generator, gemv=lowering_in_play, packed=packing)
+        timing = _time_rows(
+            rows,
+            linears,
+            weight_sets,
+            generator,
+            gemv=lowering_in_play,
+            packed=packing,
+            kernel=kernel_in_play,
+        )
         timings.append(timing)
         if lowering_in_play:
             gemm_wins_in_a_row = 0 if timing.lowering_wins else gemm_wins_in_a_row + 1
+        if kernel_in_play:
+            kernel_losses_in_a_row = 0 if timing.kernel_wins else kernel_losses_in_a_row + 1
         if not timing.lowering_wins:
             same = timing.packing_wins == gemm_form
             gemm_form, form_wins_in_a_row = timing.packing_wins, (form_wins_in_a_row + 1 if same else 1)
-    measured_packed = tuple(t.rows for t in timings if t.packing_wins and not t.lowering_wins)
+    measured_packed = tuple(
+        t.rows for t in timings if t.packing_wins and not t.lowering_wins and not t.kernel_wins
+    )
     return GemvDecision(
         lowered_rows=tuple(t.rows for t in timings if t.lowering_wins),
+        kernel_rows=tuple(t.rows for t in timings if t.kernel_wins),
         timings=tuple(timings),
         unmeasured_rows=tuple(unmeasured),
         reason=(
             f"measured: {num_sets} set(s) of {len(linears)} weights, "
             f"{sum(w.nbytes for ws in weight_sets for w in ws) / 2**20:.1f} MiB"
             + ("" if packing else f"; oneDNN cannot pack {dtype} here, not timed")
+            + ("" if kernel_available or not kernel else f"; the C++ GEMV cannot run {dtype} here, not timed")
         ),
         num_threads=torch.get_num_threads(),
         packed_rows=measured_packed + (tuple(unmeasured) if gemm_form else ()),
@@ -477,9 +546,10 @@ def _time_rows(
     generator: torch.Generator,
     gemv: bool = True,
     packed: bool = False,
+    kernel: bool = False,
 ) -> RowTiming:
-    """Time the linears at `rows` rows: torch's GEMM, plus the lowering (`gemv`) and oneDNN over
-    packed weights (`packed`) when asked."""
+    """Time the linears at `rows` rows: torch's GEMM, plus the lowering (`gemv`), oneDNN over
+    packed weights (`packed`) and the C++ GEMV (`kernel`) when asked."""
     # Inputs of their own for every linear, as in a model where each layer reads its own
     # activation: shared ones would let Inductor fuse reductions that a real graph cannot.
     inputs = [_prologue_inputs(kind, rows, i, weight_sets[0][0].dtype, generator) for _, i, kind in linears]
@@ -498,6 +568,10 @@ def _time_rows(
             forms["packed"] = lambda: [
                 onednn_linear(x, w, None) for x, w in zip(xs, next(turns), strict=True)
             ]
+        if kernel:
+            for w in itertools.chain.from_iterable(weight_sets):
+                PACKED_GEMV_WEIGHTS.get(w)  # packed before timing, as a warm engine has them
+            forms["kernel"] = lambda: [cpu_gemv(x, w, None) for x, w in zip(xs, next(turns), strict=True)]
         if gemv:
             from torch._inductor.compile_fx import compile_fx  # Inductor imports slowly; only when timing
 
@@ -522,6 +596,8 @@ def _time_rows(
         gemv_best_ms=best_ms("gemv"),
         packed_ms=median_ms("packed"),
         packed_best_ms=best_ms("packed"),
+        kernel_ms=median_ms("kernel"),
+        kernel_best_ms=best_ms("kernel"),
     )
 
 

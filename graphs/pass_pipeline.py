@@ -11,6 +11,7 @@ At capture (every graph Dynamo hands the backend, graphs/capture.py):
 Per bucket (each bucket's variant of the traced graph, graphs/bucket_compiler.py):
 
     gemv_lowering        where the GEMV policy measured the lowering to win at this bucket
+    cpu_gemv_linears     else, where it measured the C++ GEMV (kernels/cpu_gemv.py) to win
     pack_linear_weights  else, where it measured oneDNN over packed weights to win
     inline_attention     on CPU with the torch op, for buckets that can be a decode batch
                          (<= max_num_seqs): the fused maths replaces ~40 eager calls per layer;
@@ -34,6 +35,7 @@ from compiled_engine.graphs.pass_manager import (
     per_bucket,
 )
 from compiled_engine.graphs.passes.check_lowering import CheckLowering
+from compiled_engine.graphs.passes.cpu_gemv import CpuGemvLinears
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
 from compiled_engine.graphs.passes.freeze_parameters import FreezeParameters
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
@@ -52,9 +54,16 @@ def lowers_linears(target: BucketTarget) -> bool:
     return target.bucket is not None and target.linears.lowers(target.bucket)
 
 
+def runs_gemv_kernel(target: BucketTarget) -> bool:
+    """Not lowered, and the policy measured the C++ GEMV to win at this bucket's rows."""
+    return (
+        target.bucket is not None and not lowers_linears(target) and target.linears.runs_kernel(target.bucket)
+    )
+
+
 def packs_linears(target: BucketTarget) -> bool:
-    """Not lowered, and the policy measured oneDNN over packed weights to win here."""
-    return not lowers_linears(target) and target.linears.packs(target.bucket)
+    """Neither lowered nor on the C++ GEMV, and the policy measured oneDNN over packed weights to win here."""
+    return not lowers_linears(target) and not runs_gemv_kernel(target) and target.linears.packs(target.bucket)
 
 
 def inlines_attention(target: BucketTarget) -> bool:
@@ -77,6 +86,7 @@ def _gemv_lowering(target: BucketTarget) -> GemvLowering:
 
 BUCKET_PASSES = (
     per_bucket(GemvLowering, lowers_linears, _gemv_lowering),
+    per_bucket(CpuGemvLinears, runs_gemv_kernel),
     per_bucket(PackLinearWeights, packs_linears),
     per_bucket(InlineAttention, inlines_attention),
 )

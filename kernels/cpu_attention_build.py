@@ -79,16 +79,17 @@ def default_build_dir() -> Path:
     return Path(cache_dir()) / "compiled_engine_cpu_kernels"
 
 
-def build(directory: Path | None = None) -> Path:
-    """The shared library for this source, compiler and CPU: built into `directory` if missing."""
+def build(directory: Path | None = None, source_file: Path = SOURCE) -> Path:
+    """The shared library for `source_file` (the attention kernel unless another of kernels/'s C++
+    sources, e.g. kernels/cpu_gemv.cpp), this compiler and CPU: built into `directory` if missing."""
     cxx = compiler()
     if cxx is None:
         raise CpuKernelBuildError(
-            f"no C++ compiler: set ${COMPILER_ENV} or install g++ (needed for the CPU attention kernel)"
+            f"no C++ compiler: set ${COMPILER_ENV} or install g++ (needed for {source_file.name})"
         )
-    source = SOURCE.read_bytes()
+    source = source_file.read_bytes()
     directory = directory or default_build_dir()
-    target = directory / f"cpu_attention-{library_key(source, cxx)}.so"
+    target = directory / f"{source_file.stem}-{library_key(source, cxx)}.so"
     if target.exists():
         return target
     try:
@@ -99,13 +100,17 @@ def build(directory: Path | None = None) -> Path:
         raise CpuKernelBuildError(f"cannot write the kernel library into {directory}: {exc}") from exc
     try:
         result = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
+            [cxx, *FLAGS, str(source_file), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         if result.returncode != 0:
-            raise CpuKernelBuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-2000:]}")
+            raise CpuKernelBuildError(f"{cxx} failed on {source_file.name}:\n{result.stderr[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise CpuKernelBuildError(f"could not run {cxx} on {SOURCE.name}: {exc}") from exc
+        raise CpuKernelBuildError(f"could not run {cxx} on {source_file.name}: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -5,7 +5,8 @@ cold compiles stay affordable: decodes of up to 16 sequences run in the buckets,
 prefill chunks in the dynamic graph. Run with and without linear fusion
 (graphs/passes/fuse_linears.py), and with every unlowered graph's linears forced onto oneDNN's
 packed weights (graphs/passes/onednn_linear.py; the measured policy may or may not pick them
-for a model this small).
+for a model this small), and (slow) with every bucket up to 8 rows forced onto the C++ GEMV
+(graphs/passes/cpu_gemv.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.graphs.compiled_step import CompiledStep
+from compiled_engine.graphs.gemv_policy import GemvDecision
+from compiled_engine.kernels.cpu_gemv import cpu_gemv_available
 from compiled_engine.kernels.onednn_linear import onednn_linear_available
 from tests.test_parity import MAX_NEW_TOKENS, PROMPTS, _hf_reference, compare_with_reference
 
@@ -25,11 +28,25 @@ BUCKETS = (1, 2, 4, 8, 16)
 
 @pytest.mark.parametrize(
     ("fuse_linears", "packed"),
-    [(True, False), (False, False), (True, True)],
-    ids=["fused", "unfused", "packed"],
+    [
+        (True, False),
+        (False, False),
+        (True, True),
+        pytest.param(True, "kernel", marks=pytest.mark.slow),
+    ],
+    ids=["fused", "unfused", "packed", "kernel"],
 )
 def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears, packed, monkeypatch, tmp_path):
-    if packed:
+    if packed == "kernel":
+        if not cpu_gemv_available(torch.float32):
+            pytest.skip("the C++ GEMV cannot be built here")
+        kernel_rows = tuple(b for b in BUCKETS if b <= 8)
+
+        def kernel_for_small_buckets(step):
+            return GemvDecision((), kernel_rows=kernel_rows)
+
+        monkeypatch.setattr(CompiledStep, "gemv_decision", kernel_for_small_buckets)
+    elif packed:
         if not onednn_linear_available(torch.float32):
             pytest.skip("this torch has no oneDNN (mkldnn) on CPU")
         measured = CompiledStep.gemv_decision
@@ -67,7 +84,10 @@ def test_greedy_parity_compiled_buckets(llama_dir, fuse_linears, packed, monkeyp
         assert passes["fuse_linears"].nodes_rewritten == 5 * llm.engine.model_config.num_layers
     else:
         assert "fuse_linears" not in passes
-    if packed:
+    if packed == "kernel":
+        small = [build for bucket, build in compiled.builds.items() if bucket is not None and bucket <= 8]
+        assert small and all(build.variant.gemv_kernel for build in small)
+    elif packed:
         builds = compiled.builds
         assert builds[16].variant.packed_linears and builds[None].variant.packed_linears
     assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks

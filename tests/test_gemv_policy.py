@@ -22,6 +22,7 @@ from compiled_engine.graphs.gemv_policy import (
 )
 from compiled_engine.graphs.passes.fuse_linears import LINEAR_TARGETS
 from compiled_engine.graphs.traced_step import TracedStep
+from compiled_engine.kernels.cpu_gemv import cpu_gemv_available
 from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
 
 
@@ -177,7 +178,8 @@ SMALL_LINEARS = [
 
 def test_measurement_on_small_shapes() -> None:
     candidates = (1, 2, 4)
-    decision = measure_gemv_rows(SMALL_LINEARS, candidates, torch.float32, "cpu")
+    # The lowering against the GEMMs alone (the C++ GEMV's own test is below).
+    decision = measure_gemv_rows(SMALL_LINEARS, candidates, torch.float32, "cpu", kernel=False)
     assert decision.timings, decision
     for t in decision.timings:
         assert 0 < t.gemm_best_ms <= t.gemm_ms and 0 < t.gemv_best_ms <= t.gemv_ms
@@ -333,12 +335,16 @@ def test_prologue_inputs_are_recorded_and_computed_alike() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def _scripted_forms(outcomes: dict[int, str], timed: list[tuple[int, bool, bool]]):
-    """outcomes: rows -> the fastest form ("gemv", "packed" or "gemm") of a scripted timing."""
+def _scripted_forms(
+    outcomes: dict[int, str], timed: list[tuple[int, bool, bool]], kernel_timed: list[int] | None = None
+):
+    """outcomes: rows -> the fastest form ("gemv", "packed", "gemm" or "kernel") of a scripted timing."""
 
-    def time_rows(rows, linears, weight_sets, generator, gemv=True, packed=False):
+    def time_rows(rows, linears, weight_sets, generator, gemv=True, packed=False, kernel=False):
         timed.append((rows, gemv, packed))
-        best = {"gemm": 4.0, "packed": 4.5, "gemv": 4.5}
+        if kernel and kernel_timed is not None:
+            kernel_timed.append(rows)
+        best = {"gemm": 4.0, "packed": 4.5, "gemv": 4.5, "kernel": 4.5}
         best[outcomes[rows]] = 1.0
         return RowTiming(
             rows,
@@ -348,6 +354,8 @@ def _scripted_forms(outcomes: dict[int, str], timed: list[tuple[int, bool, bool]
             gemv_best_ms=best["gemv"] if gemv else None,
             packed_ms=best["packed"] if packed else None,
             packed_best_ms=best["packed"] if packed else None,
+            kernel_ms=best["kernel"] if kernel else None,
+            kernel_best_ms=best["kernel"] if kernel else None,
         )
 
     return time_rows
@@ -399,3 +407,55 @@ def test_the_lowering_must_beat_the_faster_gemm_form() -> None:
     )
     assert timing.packing_wins and not timing.lowering_wins
     assert RowTiming(1, 5.0, 1.0, 5.0, 0.8, 1.1, 1.0).lowering_wins
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "kernel_rows", "lowered", "packed", "kernel_timed"),
+    [
+        # The kernel wins the smallest rows; after two losses in a row it is timed no more.
+        (
+            {1: "kernel", 2: "kernel", 4: "packed", 8: "packed", 16: "packed"},
+            (1, 2),
+            (),
+            (4, 8, 16),
+            [1, 2, 4, 8],
+        ),
+        # One loss does not stop it; never timed above 8 rows.
+        ({1: "kernel", 2: "gemm", 4: "kernel", 8: "kernel", 16: "kernel"}, (1, 4, 8), (), (), [1, 2, 4, 8]),
+        # A lowering that wins takes the row count from it.
+        ({1: "gemv", 2: "kernel", 4: "gemm", 8: "gemm", 16: "gemm"}, (2,), (1,), (), [1, 2, 4, 8]),
+    ],
+)
+def test_the_kernel_is_chosen_where_it_is_fastest(
+    monkeypatch, outcomes, kernel_rows, lowered, packed, kernel_timed
+) -> None:
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: True)
+    timed: list[tuple[int, bool, bool]] = []
+    kernel_seen: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, timed, kernel_seen))
+    decision = measure_gemv_rows(SMALL_SHAPES, [1, 2, 4, 8, 16], torch.bfloat16, "cpu")
+    assert decision.kernel_rows == kernel_rows and decision.lowered_rows == lowered
+    assert decision.packed_rows == packed
+    assert kernel_seen == kernel_timed
+    assert all(decision.runs_kernel(r) == (r in kernel_rows) for r in (1, 2, 4, 8, 16))
+    assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+def test_a_real_measurement_picks_the_kernel_only_where_it_was_faster() -> None:
+    # bf16 weights big enough that the weight read dominates a call (a few MiB in all).
+    shapes = [
+        LinearShape(1024, 512, torch.bfloat16, "norm"),
+        LinearShape(512, 1408, torch.bfloat16, "activation"),
+    ]
+    decision = measure_gemv_rows(shapes, (1, 2), torch.bfloat16, "cpu")
+    if not cpu_gemv_available(torch.bfloat16):
+        assert decision.kernel_rows == () and all(t.kernel_best_ms is None for t in decision.timings)
+        return
+    assert [t.rows for t in decision.timings] == [1, 2]
+    for t in decision.timings:
+        assert t.kernel_best_ms is not None and 0 < t.kernel_best_ms <= t.kernel_ms
+        rivals = [t.gemm_best_ms] + ([t.packed_best_ms] if t.packed_best_ms is not None else [])
+        faster = t.kernel_best_ms < min(rivals) and not t.lowering_wins
+        assert (t.rows in decision.kernel_rows) == faster
+    assert not set(decision.kernel_rows) & set(decision.lowered_rows)
+    assert not set(decision.kernel_rows) & set(decision.packed_rows)

@@ -97,3 +97,21 @@ def test_pass_reports_round_trip_through_json_and_name_the_variant() -> None:
     assert BucketBuild(1, "loaded", 0.1, True, report).variant == BucketVariant(
         gemv=True, inline_attention=True
     )
+
+
+# The C++ GEMV at 1 and 2 rows, the lowering also "won" at 2 (it takes precedence), packed at 8.
+KERNEL_LINEARS = GemvDecision(lowered_rows=(2,), kernel_rows=(1, 2), packed_rows=(8,))
+
+
+@pytest.mark.parametrize(
+    "bucket, device, backend, expected",
+    [
+        (1, "cpu", "torch", ["cpu_gemv_linears", "inline_attention"]),
+        (1, "cpu", "cpu", ["cpu_gemv_linears"]),
+        (2, "cpu", "cpu", ["gemv_lowering"]),
+        (8, "cpu", "cpu", ["pack_linear_weights"]),
+        (None, "cpu", "cpu", []),
+    ],
+)
+def test_the_cpu_gemv_runs_where_the_policy_chose_it(bucket, device, backend, expected) -> None:
+    assert _ran(BucketTarget(bucket, MAX_SEQS, device, backend, KERNEL_LINEARS)) == expected

@@ -40,7 +40,9 @@ def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupR
 
 
 def linears_label(variant: BucketVariant) -> str:
-    """How a graph runs its linears: GEMV-lowered, oneDNN over packed weights, or torch's GEMM."""
+    """How a graph runs its linears: GEMV-lowered, the C++ GEMV, oneDNN-packed or torch's GEMM."""
+    if variant.gemv_kernel:
+        return "cpu_gemv"
     return "gemv" if variant.gemv else "onednn" if variant.packed_linears else "torch"
 
 

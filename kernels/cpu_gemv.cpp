@@ -1,0 +1,302 @@
+// y = x W^T (+ b) for a few rows of x: a GEMV that streams a pre-packed weight once per call.
+//
+// Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
+// through ctypes by kernels/cpu_gemv.py, which packs the weight and documents the contract.
+//
+// Why: with one to a few token rows a linear is bound by reading its weight; torch's bf16 linear
+// at one row ran at a fraction of the machine's bandwidth, and Inductor's multiply-sum lowering
+// reduces along the weight's rows one output at a time. Here the weight is re-laid out once so
+// that each thread reads one contiguous stream, 64 output features at a time:
+//
+//   float32, float16:  packed[block][k][64]        (block = output feature / 64)
+//   bfloat16:          packed[block][k / 2][64][2] (two consecutive k of one feature side by side)
+//
+// so every 64-byte load is 16 output features' worth of weights, multiplied by one broadcast x
+// value (or, for bf16, one broadcast pair of x values with `vdpbf16ps`, which sums the pair into
+// a float32 lane), and no horizontal sums are needed. Out-of-range features and the odd k of a
+// bf16 weight are packed as zeros. Accumulation is float32 in every path.
+//
+// Paths (`isa`): 2 = AVX-512 BF16 (`_mm512_dpbf16_ps` for bf16 weights, else as 1); 1 = AVX-512F,
+// bf16 widened to float32 by shifting its bits; 0 = plain C++ loops over the same layout. The
+// caller picks the best this CPU has; tests force the others. Intrinsics sit in functions with
+// `target` attributes, so the file builds on any x86-64 compiler whatever -march=native says.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+#define CE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output features per packed block
+constexpr int kMaxRows = 4;     // rows per pass over a block (accumulators: 4 zmm per row)
+
+enum Dtype { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float v) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load_any(const void* p, int64_t i, int dtype) {
+  switch (dtype) {
+    case kFloat32: return static_cast<const float*>(p)[i];
+    case kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+  }
+}
+
+inline void store_any(void* p, int64_t i, float v, int dtype) {
+  switch (dtype) {
+    case kFloat32: static_cast<float*>(p)[i] = v; break;
+    case kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+    default: static_cast<_Float16*>(p)[i] = static_cast<_Float16>(v); break;
+  }
+}
+
+struct Problem {
+  const void* x;         // [rows, in_features], row stride x_stride elements, unit column stride
+  int64_t x_stride;
+  int64_t rows;
+  const void* packed;    // see the header
+  const void* bias;      // [out_features] or null
+  void* out;             // [rows, out_features], contiguous
+  int64_t in_features;
+  int64_t out_features;
+  int dtype;
+  // x copied once, per row padded to k_padded: float32 for the float paths, bf16 pairs for dpbf16.
+  const float* x_float;
+  const uint16_t* x_bf16;
+  int64_t k_padded;
+};
+
+// Finished sums of one block (acc[r][f], f < 64) -> out, with the bias, in the output dtype.
+inline void finish_block(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc) {
+  const int64_t first = block * kBlock;
+  const int64_t count = std::min(kBlock, p.out_features - first);
+  for (int r = 0; r < nrows; ++r) {
+    void* out_row = static_cast<char*>(p.out) +
+                    (row0 + r) * p.out_features * (p.dtype == kFloat32 ? 4 : 2);
+    for (int64_t f = 0; f < count; ++f) {
+      float v = acc[r * kBlock + f];
+      if (p.bias != nullptr) v += load_any(p.bias, first + f, p.dtype);
+      store_any(out_row, first + f, v, p.dtype);
+    }
+  }
+}
+
+// ---- portable path -------------------------------------------------------------------------
+
+void block_portable(const Problem& p, int64_t block, int64_t row0, int nrows) {
+  float acc[kMaxRows * kBlock] = {};
+  const int64_t k_count = p.k_padded;
+  if (p.dtype == kBFloat16) {
+    const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock;
+    for (int64_t k2 = 0; k2 < k_count / 2; ++k2) {
+      const uint16_t* wk = w + k2 * kBlock * 2;
+      for (int r = 0; r < nrows; ++r) {
+        const float* xr = p.x_float + (row0 + r) * k_count + 2 * k2;
+        for (int64_t f = 0; f < kBlock; ++f)
+          acc[r * kBlock + f] += bf16_to_float(wk[2 * f]) * xr[0] + bf16_to_float(wk[2 * f + 1]) * xr[1];
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < k_count; ++k) {
+      for (int r = 0; r < nrows; ++r) {
+        const float xv = p.x_float[(row0 + r) * k_count + k];
+        if (p.dtype == kFloat32) {
+          const float* wk = static_cast<const float*>(p.packed) + (block * k_count + k) * kBlock;
+          for (int64_t f = 0; f < kBlock; ++f) acc[r * kBlock + f] += wk[f] * xv;
+        } else {
+          const _Float16* wk = static_cast<const _Float16*>(p.packed) + (block * k_count + k) * kBlock;
+          for (int64_t f = 0; f < kBlock; ++f) acc[r * kBlock + f] += static_cast<float>(wk[f]) * xv;
+        }
+      }
+    }
+  }
+  finish_block(p, block, row0, nrows, acc);
+}
+
+#if defined(__x86_64__)
+
+// ---- AVX-512 paths -------------------------------------------------------------------------
+
+template <int R>
+CE_AVX512 inline void spill(__m512 (&acc)[R][4], float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
+}
+
+// float32 and float16 weights, packed[block][k][64]; x as float32.
+template <int R, bool kHalf>
+CE_AVX512 void block_avx512_float(const Problem& p, int64_t block, int64_t row0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k_count = p.k_padded;
+  const float* x0 = p.x_float + row0 * k_count;
+  if constexpr (kHalf) {
+    const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock;
+    for (int64_t k = 0; k < k_count; ++k, w += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+      __m512 wv[4];
+      for (int j = 0; j < 4; ++j)
+        wv[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x0[r * k_count + k]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
+      }
+    }
+  } else {
+    const float* w = static_cast<const float*>(p.packed) + block * k_count * kBlock;
+    for (int64_t k = 0; k < k_count; ++k, w += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kBlock), _MM_HINT_T0);
+      __m512 wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x0[r * k_count + k]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
+      }
+    }
+  }
+  alignas(64) float sums[R * kBlock];
+  spill<R>(acc, sums);
+  finish_block(p, block, row0, R, sums);
+}
+
+// bfloat16 weights, packed[block][k/2][64][2], widened to float32: the even k of a pair is the low
+// half of each 32-bit lane (shift it up), the odd k the high half (mask the low half off).
+template <int R>
+CE_AVX512 void block_avx512_bf16_widen(const Problem& p, int64_t block, int64_t row0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k_count = p.k_padded;
+  const float* x0 = p.x_float + row0 * k_count;
+  const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = 0; k < k_count; k += 2, w += 2 * kBlock) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock + 64), _MM_HINT_T0);
+    __m512 even[4], odd[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + 32 * j);
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xe = _mm512_set1_ps(x0[r * k_count + k]);
+      const __m512 xo = _mm512_set1_ps(x0[r * k_count + k + 1]);
+      for (int j = 0; j < 4; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(even[j], xe, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(odd[j], xo, acc[r][j]);
+      }
+    }
+  }
+  alignas(64) float sums[R * kBlock];
+  spill<R>(acc, sums);
+  finish_block(p, block, row0, R, sums);
+}
+
+// bfloat16 weights, packed[block][k/2][64][2], with `vdpbf16ps`: one broadcast pair of x per
+// 32-bit lane, each lane summing its feature's two products into float32.
+template <int R>
+CE_AVX512BF16 void block_avx512_bf16_dot(const Problem& p, int64_t block, int64_t row0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k_count = p.k_padded;
+  const uint32_t* x0 = reinterpret_cast<const uint32_t*>(p.x_bf16 + row0 * k_count);
+  const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock;
+  for (int64_t k2 = 0; k2 < k_count / 2; ++k2, w += 2 * kBlock) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock + 64), _MM_HINT_T0);
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x0[r * (k_count / 2) + k2]));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+    }
+  }
+  alignas(64) float sums[R * kBlock];
+  spill<R>(acc, sums);
+  finish_block(p, block, row0, R, sums);
+}
+
+template <int R>
+void block_avx512(const Problem& p, int64_t block, int64_t row0, int isa) {
+  if (p.dtype == kBFloat16) {
+    if (isa >= 2) block_avx512_bf16_dot<R>(p, block, row0);
+    else block_avx512_bf16_widen<R>(p, block, row0);
+  } else if (p.dtype == kFloat16) {
+    block_avx512_float<R, true>(p, block, row0);
+  } else {
+    block_avx512_float<R, false>(p, block, row0);
+  }
+}
+
+#endif
+
+void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa) {
+#if defined(__x86_64__)
+  if (isa >= 1) {
+    switch (nrows) {
+      case 1: return block_avx512<1>(p, block, row0, isa);
+      case 2: return block_avx512<2>(p, block, row0, isa);
+      case 3: return block_avx512<3>(p, block, row0, isa);
+      default: return block_avx512<4>(p, block, row0, isa);
+    }
+  }
+#endif
+  block_portable(p, block, row0, nrows);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or 1 for bad arguments. `isa` as in the header (the caller checked the CPU has it).
+int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packed, const void* bias, void* out,
+                int64_t in_features, int64_t out_features, int dtype, int isa, int num_threads) {
+  if (rows < 0 || in_features < 1 || out_features < 1 || dtype < 0 || dtype > 2) return 1;
+  if (rows == 0) return 0;
+  const int64_t k_padded = in_features + (in_features & 1);
+  // x once, padded with a zero k where in_features is odd: float32 for the float paths, bf16
+  // (the pairs vdpbf16ps broadcasts) for the dot path.
+  const bool dot = dtype == kBFloat16 && isa >= 2;
+  std::vector<float> x_float(dot ? 0 : rows * k_padded, 0.0f);
+  std::vector<uint16_t> x_bf16(dot ? rows * k_padded : 0, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = static_cast<const char*>(x) + r * x_stride * (dtype == kFloat32 ? 4 : 2);
+    if (dot) std::memcpy(x_bf16.data() + r * k_padded, row, in_features * 2);
+    else
+      for (int64_t k = 0; k < in_features; ++k) x_float[r * k_padded + k] = load_any(row, k, dtype);
+  }
+  Problem p{x, x_stride, rows, packed, bias, out, in_features, out_features, dtype,
+            x_float.data(), x_bf16.data(), k_padded};
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows)
+      run_block(p, block, row0, static_cast<int>(std::min<int64_t>(kMaxRows, rows - row0)), isa);
+  return 0;
+}
+
+}  // extern "C"
