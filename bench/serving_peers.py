@@ -19,6 +19,7 @@ from pathlib import Path
 from bench.peers.spec import parse_peers
 from bench.serving_harness import ServerProcess, free_port
 
+
 def requested_peers(config) -> dict[str, str]:
     """NAME -> PATH for every `--peer` given (bench/peers/spec.py parses and checks them)."""
     return {name: str(spec.path) for name, spec in parse_peers(config.getoption("--peer", None)).items()}
