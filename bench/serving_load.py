@@ -75,6 +75,8 @@ def prompt_text(rng: random.Random) -> str:
 
 
 def make_client(url: str) -> openai.AsyncOpenAI:
+    # The client's own retries (2), as a new user has them: under a 256-stream burst a server may
+    # drop a connection before the request is read (seen with vLLM's), which the client resends.
     # Every stream of a wave at once (1000 connections), each kept for the next wave, but dropped
     # well before a server closes it (uvicorn's keep-alive is 5 s, the client's default too: a
     # connection reused just as the server closes it fails the request).
@@ -82,9 +84,7 @@ def make_client(url: str) -> openai.AsyncOpenAI:
         max_connections=1000, max_keepalive_connections=1000, keepalive_expiry=2.0
     )
     http_client = openai.DefaultAsyncHttpxClient(limits=limits)
-    return openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900, http_client=http_client
-    )
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=900, http_client=http_client)
 
 
 async def stream_one(

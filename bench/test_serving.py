@@ -158,8 +158,9 @@ def test_serving(benchmark, servers, sizes, served_by, load_name):
     def one_round() -> None:
         try:
             records = run_load(server.url, SERVED_NAME, load)
-        except BaseException:
+        except BaseException as exc:
             print(server.log()[-4000:])
+            print(f"the {system} {load_name} load failed: {exc!r}")
             raise
         check_complete(records)
         rounds.append(summarise(records))
