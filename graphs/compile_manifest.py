@@ -63,8 +63,13 @@ def _version(distribution: str) -> str:
 
 def model_fields(model: torch.nn.Module) -> Manifest:
     config = getattr(model, "config", None)
-    # to_json_string(use_diff=False): every value, defaults included, in a stable order.
-    config_text = config.to_json_string(use_diff=False) if config is not None else ""
+    # Every value, defaults included, in a stable order; but not where the folder was read from
+    # (`_name_or_path`): the same model named by a relative and an absolute path is one entry.
+    config_text = ""
+    if config is not None:
+        values = config.to_dict()
+        values.pop("_name_or_path", None)
+        config_text = json.dumps(values, sort_keys=True, default=str)
     weights = sorted(
         (name, tuple(t.shape), str(t.dtype))
         for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,16 @@ def test_manifest_covers_weights_and_config(llama_dir, llama_model):
     other.lm_head.weight = torch.nn.Parameter(other.lm_head.weight[:-1].clone())
     changed = build_manifest(other, _options(), torch.device("cpu"), versions)
     assert diff_fields(base, changed) == ["model.config_sha", "model.weights_sha"]
+
+
+def test_manifest_ignores_how_the_model_path_was_spelled(llama_dir, llama_model, monkeypatch):
+    # `warmup --model ./dir` and `serve --model /abs/dir` must land on one cache entry.
+    monkeypatch.chdir(Path(llama_dir).parent)
+    relative = load_model(Path(llama_dir).name, dtype="float32").model
+    versions = step_component_versions(True)
+    base = build_manifest(llama_model, _options(), torch.device("cpu"), versions)
+    assert relative.config._name_or_path != llama_model.config._name_or_path
+    assert diff_fields(base, build_manifest(relative, _options(), torch.device("cpu"), versions)) == []
 
 
 def test_explain_miss_names_nearest_fields(tmp_path, llama_model):
