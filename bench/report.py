@@ -260,9 +260,10 @@ def _e2e_cell(bench: dict | None, missing: str) -> str:
     return f"{_throughput(bench):,.0f} ({_decode_rate(bench):,.0f})"
 
 
-def peers_section(runs: list[tuple[dict, dict]]) -> list[str]:
+def peers_section(runs: list[tuple[dict, dict]], labels: list[str] | None = None) -> list[str]:
     """The decode workload's rounds, ours beside the peers and HF, from one or more sessions (one
-    per dtype): end-to-end tok/s = requests x output tokens / round seconds (prefill included)."""
+    per dtype): end-to-end tok/s = requests x output tokens / round seconds (prefill included).
+    With `labels`, each row starts with its session's label."""
     peers = [p for p in PEER_LABELS if any(p in c.get("peers", {}) for c, _ in runs)]
     if not peers:
         return []
@@ -275,10 +276,11 @@ def peers_section(runs: list[tuple[dict, dict]]) -> list[str]:
         "included), decode-only in brackets (requests / TPOT); ratios on the end-to-end figures "
         "(above 1: ours faster). Each row's systems ran in one session.",
         "",
-        f"| model, dtype, requests | ours |{head} HF |{ratios} ours / HF |",
-        "|---|---:|" + "---:|" * (2 * len(peers) + 2),
+        f"|{' session |' if labels else ''} model, dtype, requests | ours |{head} HF |{ratios} ours / HF |",
+        f"|{'---|' if labels else ''}---|---:|" + "---:|" * (2 * len(peers) + 2),
     ]
-    for context, results in runs:
+    for index, (context, results) in enumerate(runs):
+        session = f" {labels[index]} |" if labels else ""
         dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(
             context.get("dtype", "float32"), context.get("dtype")
         )
@@ -297,8 +299,8 @@ def peers_section(runs: list[tuple[dict, dict]]) -> list[str]:
                     bench = results.get(("decode", model, p, peer))
                     ratio_cells += f" {_ratio(o, _throughput(bench)) if bench else '—'} |"
                 lines.append(
-                    f"| {model} {dtype}, {p} | {_e2e_cell(ours, '—')} |{cells} {_e2e_cell(hf, '—')} |"
-                    f"{ratio_cells} {_ratio(o, _throughput(hf) if hf else None)} |"
+                    f"|{session} {model} {dtype}, {p} | {_e2e_cell(ours, '—')} |{cells} "
+                    f"{_e2e_cell(hf, '—')} |{ratio_cells} {_ratio(o, _throughput(hf) if hf else None)} |"
                 )
     lines.append("")
     return lines
@@ -469,14 +471,15 @@ METHOD = """## Method
 - Cold start: a fresh `python -c` process per round, timed from launch to the first token, so it
   includes importing torch; the OS file cache is warm.
 - Peers (`--peer`, bench/peers/): the same requests, in the same session, each peer timing its own
-  rounds after its own warm-up round. vLLM (CPU build, its own venv, tcmalloc + Intel OpenMP
-  preloaded, its default thread binding, prefix caching off, the engine limits ours gets): `generate`
-  for throughput, `add_request` + `step()` by hand for decode, as ours. llama.cpp: the model
-  converted to GGUF in the same dtype, `llama-batched-bench -npp P -ntg (O-1) -npl N` with as many
-  threads as ours; it feeds random ids and does not sample, so it times the forward passes (the
-  prefill, whose logits give the first token, and O-1 decode steps). Its throughput column comes
-  from llama-bench-mixed (bench/peers/llamacpp_mixed.cpp), a continuous-batching driver of libllama
-  given ours' limits (sequences, token budget per step), greedy; no warm-up round, as ours.
+  rounds in its own process (decode: after one warm-up round, as ours). vLLM (CPU build, its own
+  venv, tcmalloc + Intel OpenMP preloaded, its default thread binding, prefix caching off, the
+  engine limits ours gets): `generate` for throughput, `add_request` + `step()` by hand for decode,
+  as ours. llama.cpp: the model converted to GGUF in the same dtype, `llama-batched-bench -npp P
+  -ntg (O-1) -npl N` with as many threads as ours; it feeds random ids and does not sample, so it
+  times the forward passes (the prefill, whose logits give the first token, and O-1 decode steps).
+  Its throughput column comes from llama-bench-mixed (bench/peers/llamacpp_mixed.cpp), a
+  continuous-batching driver of libllama given ours' limits (sequences, token budget per step),
+  greedy; no warm-up round, as ours.
 """
 
 
@@ -577,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.peers_table:
-            print("\n".join(peers_section([load(path) for path in args.results])))
+            labels = [path.stem for path in args.results] if len(args.results) > 1 else None
+            print("\n".join(peers_section([load(path) for path in args.results], labels)))
             return 0
         if len(args.results) != 1:
             raise ValueError("one RESULTS.json makes the report (several only with --peers-table)")

@@ -1,4 +1,4 @@
-"""How a peer's process is started: its environment (vLLM's preloads, thread counts) and the call.
+"""How a peer's process is started: its environment (vLLM's preloads) and thread count.
 
 Standard library only: scripts/peers/vllm_venv.sh runs this file with the vLLM venv's interpreter
 (`python bench/peers/launch.py --print-preload PYTHON`) to check the preload it will be given.
@@ -6,9 +6,7 @@ Standard library only: scripts/peers/vllm_venv.sh runs this file with the vLLM v
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,19 +65,6 @@ def vllm_env(python: Path) -> dict[str, str]:
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     return env
-
-
-def run_json(argv: list[str], job: dict, env: dict[str, str], timeout_s: float) -> dict:
-    """Run a peer command with `job` as JSON on stdin; its last stdout line is its JSON answer."""
-    done = subprocess.run(
-        argv, input=json.dumps(job), capture_output=True, text=True, env=env, timeout=timeout_s
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"{argv[0]} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1])
 
 
 if __name__ == "__main__":
