@@ -163,12 +163,11 @@ def test_auto_picks_cpu_on_the_cpu_and_falls_back_without_a_compiler(monkeypatch
         resolve_attention_backend("cpu", "meta")
 
 
-def test_a_failing_build_names_the_compiler_error(monkeypatch, tmp_path):
+def test_a_failing_build_names_the_compiler_error(tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention_build, "SOURCE", broken)
     with pytest.raises(cpu_attention_build.CpuKernelBuildError, match="failed on broken.cpp"):
-        cpu_attention_build.build(tmp_path / "out")
+        cpu_attention_build.build(tmp_path / "out", source_file=broken)
     assert not any((tmp_path / "out").iterdir()), "a failed build must leave no file behind"
 
 

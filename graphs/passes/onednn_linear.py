@@ -16,11 +16,11 @@ W on its first call and keeps the copy (kernels/onednn_linear.py says why not in
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from compiled_engine.graphs.pass_manager import PassResult
-from compiled_engine.graphs.passes.fake_values import set_fake_value
-from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_nodes
+from compiled_engine.graphs.passes.swap_linears import swap_constant_linears
 from compiled_engine.kernels.onednn_linear import (
     onednn_linear,
     onednn_linear_available,
@@ -36,30 +36,16 @@ class PackLinearWeights:
         __name__,
         "compiled_engine.graphs.passes.fake_values",
         "compiled_engine.graphs.passes.fuse_linears",
+        "compiled_engine.graphs.passes.swap_linears",
         "compiled_engine.kernels.onednn_linear",
     )
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
-        graph = gm.graph
-        rewritten = 0
-        notes: list[str] = []
-        for node, x, weight_node, bias in linear_nodes(graph):
-            weight = constant_tensor(gm, weight_node)
-            if weight is None or weight.dim() != 2:
-                notes.append(f"kept {node.name}: weight is not a 2-D graph constant")
-                continue
-            if not onednn_linear_available(weight.dtype, weight.device):
-                notes.append(
-                    f"kept {node.name}: oneDNN cannot pack a {weight.dtype} weight on {weight.device}"
-                )
-                continue
-            with graph.inserting_before(node):
-                replacement = graph.call_function(onednn_linear, (x, weight_node, bias))
-            # The linear's own meta (stack trace, source) stays with the value it produced.
-            replacement.meta.update(node.meta)
-            set_fake_value(replacement)
-            node.replace_all_uses_with(replacement)
-            graph.erase_node(node)
-            rewritten += 1
+        def runs(weight: torch.Tensor) -> str | None:
+            if onednn_linear_available(weight.dtype, weight.device):
+                return None
+            return f"oneDNN cannot pack a {weight.dtype} weight on {weight.device}"
+
+        rewritten, notes = swap_constant_linears(gm, onednn_linear, runs)
         notes.insert(0, f"{rewritten} linear(s) now run through oneDNN on packed weights")
         return PassResult(self.name, rewritten, tuple(notes))
