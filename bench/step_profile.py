@@ -17,6 +17,7 @@ profiling on, and each profiled event's own time is put in one group:
 
     python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10] [--attention-backend cpu]
                                  [--top N] [--dtype bfloat16]
+                                 [--model qwen2.5-0.5b-shape]
 
 The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
 graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default="auto", help="as LLM(attention_backend=...)")
     parser.add_argument("--top", type=int, default=0, help="also list the N costliest events")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--model", default="bench-small", help="a bench model name (bench/models.py)")
     args = parser.parse_args(argv)
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
     if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
@@ -79,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.models import bench_small_dir
+    from bench.models import resolve_model
     from compiled_engine import LLM, SamplingParams
 
     warmup = 4
     prompt_len = max(1, args.context - args.steps - warmup)
     max_len = args.context + 16
     llm = LLM(
-        str(bench_small_dir()),
+        str(resolve_model(args.model).path),
         dtype=args.dtype,
         max_model_len=max_len,
         max_num_seqs=args.seqs,
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     per_step["graph wrapper and ops"] -= max(0.0, inside - graph_ms)
     per_step["outside the graph"] = wall_ms - graph_ms
     print(
-        f"bench-small {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
+        f"{args.model} {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
         f"{args.steps} profiled steps: "
         f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median) under the profiler"
     )

@@ -12,7 +12,10 @@ peer's round times, not the wall time of the call that fetched them (bench/repor
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -53,6 +56,9 @@ class VllmWorker:
             # Not the checkout: vLLM's helper processes run `python -m` from the working folder, and
             # this repository's top-level packages (kernels/ among them) would shadow its imports.
             cwd=tempfile.gettempdir(),
+            # Its own process group: vLLM's engine-core and worker processes go with it on close,
+            # never left running (and taking cores) beside the next system's timed rounds.
+            start_new_session=True,
         )
         job = {
             "model_dir": str(model_dir),
@@ -99,8 +105,10 @@ class VllmWorker:
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the whole group: engine core and workers too
+        self.proc.wait()
         self.log.close()
 
 
