@@ -17,9 +17,15 @@ from bench.workloads import hf_batches, mixed_requests, sizes_for
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The compile-policy suites (#18) start servers and compilers on cold caches: their smoke run is
-# the slow test below, which keeps the default run's time in budget.
+# Suites that start servers, fresh processes or compilers: their smoke runs are the slow tests
+# below, which keeps the default run's time in budget.
 COMPILE_POLICY_SUITES = ("bench/test_cold_start_serving.py", "bench/test_compile_cost.py")
+PROCESS_SUITES = (
+    "bench/test_startup.py",
+    "bench/test_step_timeline.py",
+    "bench/test_serving.py",
+    "bench/test_structured_outputs.py",
+)
 
 
 def _run_bench_smoke(tmp_path, *args: str) -> str:
@@ -34,13 +40,21 @@ def _run_bench_smoke(tmp_path, *args: str) -> str:
 
 
 def test_bench_suites_run_at_smoke_sizes(tmp_path):
-    stdout = _run_bench_smoke(tmp_path, "bench", *(f"--ignore={suite}" for suite in COMPILE_POLICY_SUITES))
-    # ttft, decode, throughput, startup cold and warm on bench-small, each for ours and HF; ours'
-    # cold start with the background compile policy; the step timeline, sync and async loop (ours
-    # only); the detokenizer, Rust and transformers decode; host work per step with the null model
-    # at 1, 64 and 256 running requests; the serving suite's burst and steady loads on our eager
-    # server (its fresh-cache and vLLM rows skip); structured outputs, none and half JSON.
-    assert "22 passed" in stdout, stdout[-2000:]
+    ignored = (*COMPILE_POLICY_SUITES, *PROCESS_SUITES)
+    stdout = _run_bench_smoke(tmp_path, "bench", *(f"--ignore={suite}" for suite in ignored))
+    # ttft, decode and throughput on bench-small, each for ours and HF; the detokenizer, Rust and
+    # transformers decode; host work per step with the null model at 1, 64 and 256 running requests.
+    assert "11 passed" in stdout, stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_process_bench_suites_run_at_smoke_sizes(tmp_path):
+    stdout = _run_bench_smoke(tmp_path, *PROCESS_SUITES)
+    # Start-up cold and warm for ours and HF, and ours' cold start with the background compile
+    # policy; the step timeline, sync and async loop (ours only); the serving suite's burst and
+    # steady loads on our eager server (its fresh-cache and vLLM rows skip); structured outputs,
+    # none and half JSON.
+    assert "11 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

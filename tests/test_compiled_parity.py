@@ -30,7 +30,7 @@ BUCKETS = (1, 2, 4, 8, 16)
     ("fuse_linears", "packed"),
     [
         (True, False),
-        (False, False),
+        pytest.param(False, False, marks=pytest.mark.slow),
         (True, True),
         pytest.param(True, "kernel", marks=pytest.mark.slow),
     ],

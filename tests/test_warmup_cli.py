@@ -56,6 +56,7 @@ def test_warmup_bad_option_is_a_clear_error(llama_dir, tmp_path, capsys):
     assert "bucket" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_concurrent_warmups_of_one_key_are_both_fine(llama_dir, tmp_path):
     command = [
         sys.executable, "-m", "compiled_engine.entrypoints.cli", "warmup",
