@@ -185,7 +185,8 @@ def step_manifest(
 ) -> Manifest:
     """The compile-cache manifest of a compiled step: every input that shapes its graphs."""
     options = GraphOptions(
-        dtype=kv_caches[0].dtype,
+        dtype=config.dtype,
+        kv_cache_dtype=kv_caches[0].dtype,  # int8 / fp8 when quantized (kernels/kv_quant.py)
         block_size=config.block_size,
         buckets=buckets,
         max_num_seqs=config.max_num_seqs,
