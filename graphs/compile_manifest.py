@@ -118,7 +118,9 @@ def build_manifest(
             "engine.fuse_linears": str(options.fuse_linears),
             "engine.attention_backend": options.attention_backend,
             "engine.tensor_parallel": options.tensor_parallel,
-            "engine.kv_cache_dtype": str(options.kv_cache_dtype or options.dtype),
+            "engine.kv_cache_dtype": "auto"
+            if options.kv_cache_dtype is None
+            else str(options.kv_cache_dtype),
         }
     )
     manifest.update(

@@ -186,7 +186,8 @@ def step_manifest(
     """The compile-cache manifest of a compiled step: every input that shapes its graphs."""
     options = GraphOptions(
         dtype=config.dtype,
-        kv_cache_dtype=kv_caches[0].dtype,  # int8 / fp8 when quantized (kernels/kv_quant.py)
+        # int8 / fp8 codes when quantized (kernels/kv_quant.py); None: the model's dtype.
+        kv_cache_dtype=None if kv_caches[0].dtype == config.dtype else kv_caches[0].dtype,
         block_size=config.block_size,
         buckets=buckets,
         max_num_seqs=config.max_num_seqs,

@@ -122,7 +122,8 @@ def test_async_scheduling_must_be_a_bool_or_none(llama_dir):
 @pytest.mark.parametrize(
     "kv_cache_dtype, num_requests, eager",
     [
-        pytest.param("int8", 80, True, id="int8-eager"),
+        # The default run's check is tests/test_prefix_caching_engine.py's int8 one (async + cache).
+        pytest.param("int8", 80, True, id="int8-eager", marks=pytest.mark.slow),
         pytest.param("fp8", NUM_REQUESTS, False, id="fp8-compiled", marks=pytest.mark.slow),
     ],
 )

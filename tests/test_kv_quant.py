@@ -166,3 +166,30 @@ def test_llm_refuses_bad_values_before_reading_the_model(tmp_path):
         LLM(model=missing, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="cannot run on attention_backend='flashinfer'"):
         LLM(model=missing, kv_cache_dtype="fp8", attention_backend="flashinfer")
+
+
+def test_the_cache_dtype_keys_the_compile_cache():
+    from compiled_engine.graphs.compile_manifest import GraphOptions, build_manifest, diff_fields
+
+    def options(kv_cache_dtype):
+        return GraphOptions(
+            dtype=torch.float32,
+            block_size=16,
+            buckets=(1, 2),
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            kv_cache_shape=(2, 16, 2, 20),
+            fuse_linears=True,
+            attention_backend="cpu",
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+    model = torch.nn.Linear(2, 2)  # the model's fields are the same for every option here
+    manifests = {
+        dtype: build_manifest(model, options(dtype), torch.device("cpu"), {})
+        for dtype in (None, torch.int8, torch.float8_e4m3fn)
+    }
+    assert manifests[None]["engine.kv_cache_dtype"] == "auto"
+    # int8 and fp8 caches have one shape: only the dtype tells their graphs apart.
+    assert diff_fields(manifests[torch.int8], manifests[torch.float8_e4m3fn]) == ["engine.kv_cache_dtype"]
+    assert diff_fields(manifests[None], manifests[torch.int8]) == ["engine.kv_cache_dtype"]
