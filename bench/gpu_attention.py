@@ -321,6 +321,8 @@ def kv_quant_timing_lines(
     for name, version in available_backends(device).items():
         if version.startswith("unavailable") or name == "torch":
             continue  # the reference's time is dominated by its gathers, not the cache's bytes
+        if name == "triton" and device.type != "cuda":
+            continue  # the interpreter's times mean nothing (its parity is checked above)
         op = resolve_attention_backend(name, device).op
         for batch_size in batches:
             for context in contexts:
