@@ -241,3 +241,109 @@ def decode_timing_lines(
                 )
                 del batch
     return lines
+
+
+# -- quantized KV cache (#21) -------------------------------------------------------------------
+
+KV_QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# Against attention over the float cache: half a quantization step per value (int8: amax / 254;
+# fp8: 2^-4 of the value) on randn data; tests/test_kv_quant.py has the same bounds.
+KV_QUANT_ATOL = {torch.int8: 0.06, torch.float8_e4m3fn: 0.3}
+
+
+def _quantize_cache(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from compiled_engine.kernels import kv_quant
+
+    out = torch.empty(
+        (*cache.shape[:-1], kv_quant.row_width(cache.shape[-1], dtype)), dtype=dtype, device=cache.device
+    )
+    for start in range(0, cache.shape[1], 1024):  # block chunks: no float copy of a GB cache
+        out[:, start : start + 1024] = kv_quant.pack_rows(cache[:, start : start + 1024], dtype)
+    return out
+
+
+def kv_quant_parity_lines(device: torch.device, shape: dict, cases: dict) -> tuple[list[str], list[str]]:
+    """Each runnable backend on an int8 / fp8 cache against the reference op on the same cache
+    (codes within one step of the reference's, scales equal, outputs as close as on a float cache),
+    and its error against the reference over the float cache."""
+    from compiled_engine.kernels import kv_quant
+
+    query_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lines = [
+        "| KV | backend | case | max abs err vs reference | vs float cache | codes | ok |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    failures = []
+    atol, rtol = TOLERANCE[query_dtype]
+    for name, version in available_backends(device).items():
+        if version.startswith("unavailable"):
+            continue
+        op = resolve_attention_backend(name, device).op
+        for label, dtype in KV_QUANT_DTYPES.items():
+            for case, (q_lens, c_lens, window, softcap) in cases.items():
+                batch = random_batch(q_lens, c_lens, query_dtype, device, **shape, seed=len(case))
+                scale = shape["head_dim"] ** -0.5
+                cache = _quantize_cache(batch.kv_cache, dtype)
+                ref_cache, got_cache = cache.clone(), cache.clone()
+                ref = paged_attention_reference(*batch.args(ref_cache), scale, window, softcap).float()
+                got = op(*batch.args(got_cache), scale, window, softcap).float()
+                plain = paged_attention_reference(*batch.args(batch.kv_cache.clone()), scale, window, softcap)
+                err = (got - ref).abs()
+                float_err = (got - plain.float()).abs().max().item()
+                offset = kv_quant.scale_offset(shape["head_dim"])
+                ref_bytes, got_bytes = ref_cache.view(torch.uint8), got_cache.view(torch.uint8)
+                code_diff = (got_bytes[..., :offset].int() - ref_bytes[..., :offset].int()).abs().max().item()
+                scales_equal = torch.equal(got_bytes[..., offset:], ref_bytes[..., offset:])
+                ok = bool((err <= atol + rtol * ref.abs()).all()) and float_err <= KV_QUANT_ATOL[dtype]
+                ok = ok and code_diff <= 1 and scales_equal
+                if not ok:
+                    failures.append(f"{label} {name} {case}")
+                lines.append(
+                    f"| {label} | {name} | {case} | {err.max().item():.2e} | {float_err:.2e} | "
+                    f"max diff {code_diff}, scales {'equal' if scales_equal else 'DIFFER'} | "
+                    f"{'ok' if ok else 'FAIL'} |"
+                )
+    return lines, failures
+
+
+def kv_quant_timing_lines(
+    device: torch.device, shape: dict, batches: tuple[int, ...], contexts: tuple[int, ...], calls: int = 20
+) -> list[str]:
+    """Decode attention per backend on a bf16 (CPU: float32) cache and on int8 / fp8 caches of the
+    same values: ms and the ratio to the unquantized cache (#21's target: int8 <= 0.6x)."""
+    query_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lines = [
+        f"- shape {shape}, queries {query_dtype}; ratio: quantized ms / {query_dtype} cache ms",
+        "",
+        "| KV | backend | batch | context | ms | ratio |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, version in available_backends(device).items():
+        if version.startswith("unavailable") or name == "torch":
+            continue  # the reference's time is dominated by its gathers, not the cache's bytes
+        if name == "triton" and device.type != "cuda":
+            continue  # the interpreter's times mean nothing (its parity is checked above)
+        op = resolve_attention_backend(name, device).op
+        for batch_size in batches:
+            for context in contexts:
+                batch = random_batch(
+                    [1] * batch_size, [context] * batch_size, query_dtype, device, **shape, holes=False
+                )
+                scale = shape["head_dim"] ** -0.5
+                caches = {"none": batch.kv_cache}
+                caches.update(
+                    {label: _quantize_cache(batch.kv_cache, d) for label, d in KV_QUANT_DTYPES.items()}
+                )
+                times = {
+                    label: median_seconds(
+                        lambda c=c, op=op, b=batch, s=scale: op(*b.args(c), s), device, calls
+                    )
+                    for label, c in caches.items()
+                }
+                for label, seconds in times.items():
+                    lines.append(
+                        f"| {label} | {name} | {batch_size} | {context} | {seconds * 1e3:.3f} | "
+                        f"{seconds / times['none']:.2f} |"
+                    )
+                del batch, caches
+    return lines

@@ -279,6 +279,35 @@ def attention_timing_section(device: torch.device, quick: bool) -> Callable[[Rep
     return run
 
 
+def kv_quant_section(device: torch.device, quick: bool) -> Callable[[Report], None]:
+    """The int8 / fp8 KV cache (#21) on each backend: parity with the reference op on the same
+    quantized cache, and decode attention time against the unquantized cache (bench/gpu_attention.py)."""
+
+    def run(report: Report) -> None:
+        from bench import gpu_attention
+
+        on_gpu = device.type == "cuda" and not quick
+        shape = gpu_attention.GPU_SHAPE if on_gpu else gpu_attention.SMALL_SHAPE
+        cases = (
+            gpu_attention.PARITY_CASES
+            if on_gpu
+            else {"sliding window": gpu_attention.PARITY_CASES["sliding window"]}
+        )
+        lines, failures = gpu_attention.kv_quant_parity_lines(device, shape, cases)
+        for line in lines:
+            report.line(line)
+        report.line("")
+        batches, contexts = ((64, 256), (2048, 8192)) if on_gpu else ((2,), (64,))
+        for line in gpu_attention.kv_quant_timing_lines(
+            device, shape, batches, contexts, 20 if on_gpu else 2
+        ):
+            report.line(line)
+        if failures:
+            raise AssertionError(f"quantized KV cache differs from the reference: {failures}")
+
+    return run
+
+
 # -- bucket graphs -----------------------------------------------------------------------------
 
 
@@ -1014,6 +1043,7 @@ def plan_sections(
         Section("1. Environment", "environment", environment_section(device)),
         Section("Attention backends vs the reference", PARITY_SECTION, backends_section(device, args.quick)),
         Section("Attention decode timings", "attention", attention_timing_section(device, args.quick)),
+        Section("Quantized KV cache", PARITY_SECTION, kv_quant_section(device, args.quick)),
         # Cheap (a tiny model, seconds per bucket) and the newest device code: before parity.
         Section("Bucket graphs", "graphs", bucket_graphs_section(device, args.quick)),
     ]

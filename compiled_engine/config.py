@@ -23,6 +23,8 @@ class EngineConfig:
     # How to size the KV cache: a fixed block count, else a byte budget, else the device decides.
     num_kv_blocks_override: int | None
     kv_cache_memory: int | None
+    # "auto" (the model's dtype), "int8" or "fp8" (e4m3): the cache's codes (kernels/kv_quant.py).
+    kv_cache_dtype: str
     seed: int
     enforce_eager: bool
     compile_buckets: tuple[int, ...]  # ascending; empty when eager (nothing is compiled)

@@ -39,6 +39,11 @@ ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
 # kernels/backends.py ATTENTION_BACKENDS (a test keeps the two equal; importing it here costs torch).
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# kernels/kv_quant.py KV_CACHE_DTYPES (a test keeps the two equal; importing it here costs torch).
+# vLLM's names: "fp8" is fp8 e4m3, and so is its alias "fp8_e4m3".
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8", "fp8_e4m3")
+# Attention backends that read a quantized KV cache (kernels/backends.py).
+QUANTIZED_KV_BACKENDS = ("auto", "torch", "cpu", "triton")
 # What a step does when its bucket's graph is not built yet (docs/compile-policy.md):
 # background: run a fallback graph now, compile the bucket in a background process;
 # blocking: compile (or load) it first, on the request path; ahead: build every graph before
@@ -117,6 +122,12 @@ class EngineArgs:
     kv_cache_memory: int | None = option(
         None, "bytes for the KV cache (default: 1 GiB on CPU; on CUDA what the model and graphs leave)"
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage (default auto: the model's dtype); int8 or fp8 (e4m3; also fp8_e4m3) store "
+        "codes with a float32 scale per token and KV head: about twice the blocks in the same memory",
+        choices=KV_CACHE_DTYPE_CHOICES,
+    )
     # Not `--seed`: `generate --seed` is the per-request sampling seed.
     seed: int = option(
         0, "seed of the engine-wide sampling stream unseeded requests share", name="--engine-seed"
@@ -193,6 +204,17 @@ class EngineArgs:
                 f"unknown attention_backend {self.attention_backend!r}: "
                 f"choose one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
             )
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}: "
+                f"choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}"
+            )
+        if self.kv_cache_dtype != "auto" and self.attention_backend not in QUANTIZED_KV_BACKENDS:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} cannot run on attention_backend="
+                f"{self.attention_backend!r}: a quantized KV cache is read by the "
+                f"{', '.join(b for b in QUANTIZED_KV_BACKENDS if b != 'auto')} backends"
+            )
         if self.compile_policy is not None and self.compile_policy not in COMPILE_POLICY_CHOICES:
             raise ValueError(
                 f"unknown compile_policy {self.compile_policy!r}: "
@@ -265,6 +287,7 @@ class EngineArgs:
             block_size=self.block_size,
             num_kv_blocks_override=self.num_kv_blocks,
             kv_cache_memory=self.kv_cache_memory,
+            kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             compile_buckets=buckets,

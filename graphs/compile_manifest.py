@@ -48,6 +48,7 @@ class GraphOptions:
     fuse_linears: bool
     attention_backend: str
     tensor_parallel: str = "1"  # "rank/size" when sharded: each rank's graphs differ
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype; else int8 / fp8 codes
 
 
 def _sha(text: str) -> str:
@@ -117,6 +118,9 @@ def build_manifest(
             "engine.fuse_linears": str(options.fuse_linears),
             "engine.attention_backend": options.attention_backend,
             "engine.tensor_parallel": options.tensor_parallel,
+            "engine.kv_cache_dtype": "auto"
+            if options.kv_cache_dtype is None
+            else str(options.kv_cache_dtype),
         }
     )
     manifest.update(

@@ -185,7 +185,9 @@ def step_manifest(
 ) -> Manifest:
     """The compile-cache manifest of a compiled step: every input that shapes its graphs."""
     options = GraphOptions(
-        dtype=kv_caches[0].dtype,
+        dtype=config.dtype,
+        # int8 / fp8 codes when quantized (kernels/kv_quant.py); None: the model's dtype.
+        kv_cache_dtype=None if kv_caches[0].dtype == config.dtype else kv_caches[0].dtype,
         block_size=config.block_size,
         buckets=buckets,
         max_num_seqs=config.max_num_seqs,

@@ -11,6 +11,8 @@
 
 Every backend computes the same thing (the contract in kernels/paged_attention.py); the version
 string goes into compile-cache keys so graphs built for one backend are not reused by another.
+torch, cpu and triton also read and write a quantized KV cache (int8 / fp8 rows with per-token,
+per-head scales, kernels/kv_quant.py); engine_args.py refuses `kv_cache_dtype` with any other.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@
 // through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops, no
 // intrinsics: the compiler vectorises them for whatever ISA the machine has.
 //
+// The cache holds the query's dtype, or quantized rows (kernels/kv_quant.py): int8 or fp8 e4m3
+// codes, then the row's float32 scale. Reading one costs a code widened to float per element and
+// one multiply per (key, head) by its scale, folded into the score (keys) and the softmax weight
+// (values); the loops stay the same loops, over half the bytes or fewer.
+//
 // Why a hand-written loop: Inductor's version of the same maths (kernels/inline_attention.py)
 // reduces over the head dimension once per key and runs the softmax as separate passes over the
 // scores; this kernel reads each key and value once, keeps the running max, sum and output of
@@ -15,7 +20,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define CE_ATTENTION_AVX512 1
+#endif
 
 namespace {
 
@@ -29,6 +40,45 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16 -> float: the hig
 }
 
 inline float load(const _Float16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// Quantized caches' codes (kernels/kv_quant.py): the code's value, which the row's scale multiplies.
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// fp8 e4m3 (bias 7) -> float, as the code's value / 256: the sign, exponent and mantissa bits moved
+// into a float16 (bias 15) keep the value scaled by 2^(7 - 15), subnormals included, and float16
+// widens in hardware where the CPU has F16C. Callers fold the 256 into the row's scale.
+constexpr float kFp8Unit = 256.0f;
+
+inline float load(const uint8_t* p, int64_t i) {
+  const uint16_t bits = static_cast<uint16_t>(((p[i] & 0x7fu) << 7) | ((p[i] & 0x80u) << 8));
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof h);
+  return static_cast<float>(h);
+}
+
+// What one unit of load()'s result is worth before the row's scale: 1 for int8, 256 for fp8.
+template <typename C>
+constexpr float code_unit() { return std::is_same_v<C, uint8_t> ? kFp8Unit : 1.0f; }
+
+// Plain caches hold the query's dtype; int8_t and uint8_t (fp8 e4m3 bits) caches are quantized.
+template <typename T, typename C>
+constexpr bool quantized() { return !std::is_same_v<T, C>; }
+
+// float -> fp8 e4m3 bits, rounded to nearest even, for |x| <= 448 (kernels/kv_quant.py clamps):
+// the same rounding as torch's float8_e4m3fn conversion, so both write the same codes.
+inline uint8_t encode_fp8(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7fffffffu;
+  float magnitude;
+  std::memcpy(&magnitude, &bits, sizeof magnitude);
+  if (magnitude < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9 (8 steps is the first normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(magnitude * 512.0f));
+  }
+  bits += 0x7ffffu + ((bits >> 20) & 1u);  // round the mantissa to 3 bits, ties to even
+  return sign | static_cast<uint8_t>((bits >> 20) - (120u << 3));  // rebias the exponent 127 -> 7
+}
 
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 
@@ -65,6 +115,62 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+#ifdef CE_ATTENTION_AVX512
+// The inner loops over a head's D values for head dims of 16s, with AVX-512 (the library is built
+// with -march=native, so the compile-time check is the machine's). GCC left the widening of int8
+// and fp8 codes partly scalar and reduced each dot lane by lane; here 16 values are widened in a
+// few instructions and each dot ends in one tree reduction. Elsewhere: the plain loops below.
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const uint16_t* p) {  // bfloat16: the high half of a float's bits
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 widen16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 widen16(const uint8_t* p) {  // fp8 e4m3 -> float16 bits (load()'s trick) -> float
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(half);
+}
+#endif
+
+// sum_d q[d] * load(row, d): over D values, or kHeadDim when it is a compile-time head dim.
+template <typename C, int kHeadDim>
+inline float dot_row(const float* q, const C* row, int64_t D) {
+#ifdef CE_ATTENTION_AVX512
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < kHeadDim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(row + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += q[d] * load(row, d);
+  return s;
+}
+
+// acc[d] += w * load(row, d).
+template <typename C, int kHeadDim>
+inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
+#ifdef CE_ATTENTION_AVX512
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    const __m512 weight = _mm512_set1_ps(w);
+    for (int64_t d = 0; d < kHeadDim; d += 16) {
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(weight, widen16(row + d), _mm512_loadu_ps(acc + d)));
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] += w * load(row, d);
+}
+
 constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
 
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -86,6 +192,7 @@ struct Problem {
   void* key_cache;  // element (block, slot, head, d) at block*stride_block + slot*stride_slot + head*stride_head + d
   void* value_cache;
   int64_t stride_block, stride_slot, stride_head;
+  int64_t scale_offset;  // quantized caches: bytes from a row's start to its float32 scale
   const void* slot_mapping;  // [T]; -1: padding, written to the scratch block (the cache's last)
   bool slots64;
   const void* block_tables;  // [S, W], rows bt_stride apart
@@ -102,18 +209,53 @@ struct Problem {
   float softcap;  // <= 0: none
 };
 
+// One head's D values quantized into a packed row: codes, then the float32 scale at scale_offset,
+// with kernels/kv_quant.py's maths step for step (amax / QMAX, x / scale, round to nearest even).
+template <typename T, typename C>
+void quantize_row(const T* x, C* row, int64_t head_dim, int64_t scale_offset) {
+  constexpr float qmax = std::is_same_v<C, int8_t> ? 127.0f : 448.0f;
+  float amax = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(load(x, d)));
+  const float scale = std::max(amax / qmax, std::numeric_limits<float>::min());
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float scaled = std::min(std::max(load(x, d) / scale, -qmax), qmax);
+    if constexpr (std::is_same_v<C, int8_t>) {
+      row[d] = static_cast<int8_t>(std::nearbyint(scaled));
+    } else {
+      row[d] = encode_fp8(scaled);
+    }
+  }
+  for (int64_t d = head_dim; d < scale_offset; ++d) row[d] = 0;  // the padding before the scale
+  std::memcpy(reinterpret_cast<char*>(row) + scale_offset, &scale, sizeof scale);
+}
+
+// A quantized row's scale times what one unit of its codes is worth.
+template <typename C>
+inline float row_scale(const C* row, int64_t scale_offset) {
+  float scale;
+  std::memcpy(&scale, reinterpret_cast<const char*>(row) + scale_offset, sizeof scale);
+  return scale * code_unit<C>();
+}
+
 // Row t's keys and values into its cache slot, as kernels/reference.py writes them.
-template <typename T>
+template <typename T, typename C>
 void write_row(const Problem& pb, int64_t t) {
   int64_t slot = read_index(pb.slot_mapping, pb.slots64, t);
   if (slot < 0) slot = (pb.num_blocks - 1) * pb.block_size;
   const int64_t base = (slot / pb.block_size) * pb.stride_block + (slot % pb.block_size) * pb.stride_slot;
   const size_t bytes = static_cast<size_t>(pb.head_dim) * sizeof(T);
   for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
-    std::memcpy(static_cast<T*>(pb.key_cache) + base + h * pb.stride_head,
-                static_cast<const T*>(pb.key) + t * pb.k_stride_t + h * pb.k_stride_h, bytes);
-    std::memcpy(static_cast<T*>(pb.value_cache) + base + h * pb.stride_head,
-                static_cast<const T*>(pb.value) + t * pb.v_stride_t + h * pb.v_stride_h, bytes);
+    C* key_row = static_cast<C*>(pb.key_cache) + base + h * pb.stride_head;
+    C* value_row = static_cast<C*>(pb.value_cache) + base + h * pb.stride_head;
+    const T* key = static_cast<const T*>(pb.key) + t * pb.k_stride_t + h * pb.k_stride_h;
+    const T* value = static_cast<const T*>(pb.value) + t * pb.v_stride_t + h * pb.v_stride_h;
+    if constexpr (quantized<T, C>()) {
+      quantize_row(key, key_row, pb.head_dim, pb.scale_offset);
+      quantize_row(value, value_row, pb.head_dim, pb.scale_offset);
+    } else {
+      std::memcpy(key_row, key, bytes);
+      std::memcpy(value_row, value, bytes);
+    }
   }
 }
 
@@ -134,15 +276,15 @@ inline int64_t row_sequence(const Problem& pb, int64_t t, int64_t* position) {
 // Attends row t for KV heads [head_begin, head_end) and all their query heads. Walking every head
 // of a slot together reads the cache's [slot, head, d] rows front to back, which the hardware
 // prefetcher follows; one head at a time read a quarter of each row at a stride.
-template <typename T, int kHeadDim>
+template <typename T, typename C, int kHeadDim>
 void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_end, float* work) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : pb.head_dim;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
   const int64_t heads = (head_end - head_begin) * group;  // query heads in this item
   const int64_t bs = pb.block_size;
   const T* query = static_cast<const T*>(pb.query);
-  const T* keys = static_cast<const T*>(pb.key_cache);
-  const T* values = static_cast<const T*>(pb.value_cache);
+  const C* keys = static_cast<const C*>(pb.key_cache);
+  const C* values = static_cast<const C*>(pb.value_cache);
   T* out = static_cast<T*>(pb.out);
   const int64_t first_head = head_begin * group;
 
@@ -173,7 +315,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   // Blocks sit anywhere in the cache, so the hardware prefetcher restarts cold at each one: ask
   // for the rows of the block kAhead columns on while this one computes (and for the first ones
   // up front), spread over this block's keys.
-  const int64_t row_bytes = (head_end - head_begin) * pb.stride_head * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = (head_end - head_begin) * pb.stride_head * static_cast<int64_t>(sizeof(C));
   const int64_t last_column = (hi - 1) / bs;
   auto block_offset = [&](int64_t column) {  // where the block at this table column starts
     int64_t block = read_index(pb.block_tables, pb.bt64, seq * pb.bt_stride + column);
@@ -205,12 +347,13 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
       }
       for (int64_t h = head_begin; h < head_end; ++h) {
         const int64_t k = first_slot + j * pb.stride_slot + h * pb.stride_head;
+        // Quantized: the dot over the codes, then the row's scale once.
+        float key_scale = 1.0f;
+        if constexpr (quantized<T, C>()) key_scale = row_scale(keys + k, pb.scale_offset);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = (h - head_begin) * group + g;
-          const float* qi = q + i * D;
-          float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qi[d] * load(keys, k + d);
+          float s = dot_row<C, kHeadDim>(q + i * D, keys + k, D);
+          if constexpr (quantized<T, C>()) s *= key_scale;
           scores[i * bs + j] = s;
         }
       }
@@ -242,12 +385,13 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = head_begin; h < head_end; ++h) {
         const int64_t v = first_slot + j * pb.stride_slot + h * pb.stride_head;
+        // Quantized: the row's scale rides on the softmax weight.
+        float value_scale = 1.0f;
+        if constexpr (quantized<T, C>()) value_scale = row_scale(values + v, pb.scale_offset);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = (h - head_begin) * group + g;
-          const float w = scores[i * bs + j];
-          float* ai = acc + i * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ai[d] += w * load(values, v + d);
+          const float w = scores[i * bs + j] * value_scale;
+          axpy_row<C, kHeadDim>(acc + i * D, w, values + v, D);
         }
       }
     }
@@ -262,7 +406,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, typename C, int kHeadDim>
 void run(const Problem& pb, int num_threads) {
   // Whole rows when there are enough of them to share out; with few rows (batch-1 decode) split
   // the KV heads too, so every thread has work.
@@ -279,24 +423,35 @@ void run(const Problem& pb, int num_threads) {
     // The write first; the loop's barrier keeps every read after it. Padding rows all land on
     // the scratch slot, which nothing reads.
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < pb.num_tokens; ++t) write_row<T>(pb, t);
+    for (int64_t t = 0; t < pb.num_tokens; ++t) write_row<T, C>(pb, t);
     std::vector<float> work(static_cast<size_t>(work_floats) + 16);
     // Dynamic: under a causal prefill later rows see more keys than earlier ones.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t head_begin = (item % chunks) * per_chunk;
       const int64_t head_end = std::min(pb.num_kv_heads, head_begin + per_chunk);
-      if (head_begin < head_end) attend_row<T, kHeadDim>(pb, item / chunks, head_begin, head_end, work.data());
+      if (head_begin < head_end) attend_row<T, C, kHeadDim>(pb, item / chunks, head_begin, head_end, work.data());
     }
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_dim(const Problem& pb, int num_threads) {
   switch (pb.head_dim) {
-    case 64: run<T, 64>(pb, num_threads); break;
-    case 128: run<T, 128>(pb, num_threads); break;
-    default: run<T, 0>(pb, num_threads); break;
+    case 64: run<T, C, 64>(pb, num_threads); break;
+    case 128: run<T, C, 128>(pb, num_threads); break;
+    default: run<T, C, 0>(pb, num_threads); break;
+  }
+}
+
+// The cache's kind: 0 the query's dtype, 1 int8 codes, 2 fp8 e4m3 codes (kernels/cpu_attention.py).
+template <typename T>
+int dispatch_cache(const Problem& pb, int64_t kv_kind, int num_threads) {
+  switch (kv_kind) {
+    case 0: dispatch_head_dim<T, T>(pb, num_threads); return 0;
+    case 1: dispatch_head_dim<T, int8_t>(pb, num_threads); return 0;
+    case 2: dispatch_head_dim<T, uint8_t>(pb, num_threads); return 0;
+    default: return 2;
   }
 }
 
@@ -309,9 +464,11 @@ extern "C" {
 //   key_cache, value_cache, stride_block, stride_slot, stride_head, slot_mapping, slots64,
 //   block_tables, bt_stride, bt64, seq_lens, sl64, query_start_loc, qsl64, out,
 //   num_tokens, num_seqs, width, num_blocks, block_size, num_q_heads, num_kv_heads, head_dim,
-//   sliding_window, dtype (0 float32, 1 bfloat16, 2 float16: query, keys, caches and output
-//   share it), num_threads
-// (one array, not 35 arguments: the call runs once per layer per step, and every foreign
+//   sliding_window, dtype (0 float32, 1 bfloat16, 2 float16: query, keys and output share it,
+//   and so does the cache unless quantized), num_threads, kv_kind (0 the cache holds dtype,
+//   1 int8 rows, 2 fp8 e4m3 rows; strides then count bytes), scale_offset (quantized rows:
+//   bytes from a row's start to its float32 scale)
+// (one array, not 37 arguments: the call runs once per layer per step, and every foreign
 // argument costs the Python caller time). Returns 0; 3 if a slot lies past the cache (nothing
 // is written then); 1 or 2 for sizes or a dtype it cannot take (the Python side checks those
 // first: a backstop).
@@ -335,6 +492,9 @@ int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap) {
   pb.scale = scale, pb.softcap = softcap;
   const int64_t dtype = a[33];
   const int num_threads = static_cast<int>(a[34]);
+  const int64_t kv_kind = a[35];
+  pb.scale_offset = a[36];
+  if (kv_kind != 0 && pb.scale_offset < pb.head_dim) return 1;
   if (pb.num_kv_heads <= 0 || pb.num_q_heads % pb.num_kv_heads != 0 || pb.head_dim <= 0 ||
       pb.block_size <= 0 || pb.num_seqs <= 0 || pb.num_blocks <= 0 || num_threads <= 0) {
     return 1;
@@ -345,9 +505,9 @@ int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap) {
     if (read_index(pb.slot_mapping, pb.slots64, t) >= num_slots) return 3;
   }
   switch (dtype) {
-    case 0: dispatch_head_dim<float>(pb, num_threads); return 0;
-    case 1: dispatch_head_dim<uint16_t>(pb, num_threads); return 0;
-    case 2: dispatch_head_dim<_Float16>(pb, num_threads); return 0;
+    case 0: return dispatch_cache<float>(pb, kv_kind, num_threads);
+    case 1: return dispatch_cache<uint16_t>(pb, kv_kind, num_threads);
+    case 2: return dispatch_cache<_Float16>(pb, kv_kind, num_threads);
     default: return 2;
   }
 }

@@ -7,7 +7,10 @@ does: padding to the scratch block), then attends: one work item per (query row,
 heads), walking the row's visible keys block by block through its block table with an online
 softmax. So it reads each cached key and value once, prefetches the blocks ahead while computing
 this one, and never reads a masked slot; causal, sliding window, soft-capping, GQA; float32,
-bfloat16 and float16 (maths in float32).
+bfloat16 and float16 (maths in float32). The cache holds the query's dtype, or is quantized
+(int8 or float8_e4m3fn rows with a float32 scale per token and head, kernels/kv_quant.py): the
+kernel then quantizes what it writes and dequantizes what it reads, with the torch maths'
+rounding, so its cache matches the reference's code for code.
 
 The library is built at first use (kernels/cpu_attention_build.py); `cpu_attention_problem()`
 says why it cannot run here. Opaque to Inductor, which calls it as an extern kernel from the
@@ -21,7 +24,7 @@ import ctypes
 
 import torch
 
-from compiled_engine.kernels import cpu_attention_build
+from compiled_engine.kernels import cpu_attention_build, kv_quant
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 from compiled_engine.kernels.reference import _check_inputs
 from compiled_engine.kernels.source_version import files_version, module_file
@@ -29,13 +32,18 @@ from compiled_engine.kernels.source_version import files_version, module_file
 # Goes into compile-cache keys: a hash of the op's Python side, its build and the C++ source
 # (the numerics live there).
 CPU_ATTENTION_VERSION = files_version(
-    module_file(__name__), module_file(cpu_attention_build.__name__), cpu_attention_build.SOURCE
+    module_file(__name__),
+    module_file(cpu_attention_build.__name__),
+    module_file(kv_quant.__name__),
+    cpu_attention_build.SOURCE,
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The cache's kind as the kernel takes it: its rows hold the query's dtype, or int8 / fp8 codes.
+_KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 _INDEX_DTYPES = (torch.int32, torch.int64)
 # The kernel's integer arguments, in the order kernels/cpu_attention.cpp lists them.
-_ARGS = ctypes.c_int64 * 35
+_ARGS = ctypes.c_int64 * 37
 
 
 def cpu_attention_problem(device: torch.device | str) -> str | None:
@@ -76,11 +84,12 @@ def paged_attention_cpu(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     _check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-    dtype = kv_cache.dtype
-    if query.dtype != dtype or dtype not in _DTYPE_CODES:
+    dtype = query.dtype
+    kv_kind = _KV_KINDS.get(kv_cache.dtype, 0)
+    if dtype not in _DTYPE_CODES or (kv_kind == 0 and kv_cache.dtype != dtype):
         raise ValueError(
             f"paged_attention_cpu needs query and kv_cache of one dtype out of float32, bfloat16 and "
-            f"float16, got {query.dtype} and {dtype}"
+            f"float16 (or a quantized int8 / float8_e4m3fn cache), got {query.dtype} and {kv_cache.dtype}"
         )
     if block_tables.shape[0] == 0:
         raise ValueError("paged_attention_cpu needs at least one sequence (block_tables is [0, W])")
@@ -108,6 +117,7 @@ def paged_attention_cpu(
         num_tokens, block_tables.shape[0], block_tables.shape[1], num_blocks,
         block_size, num_q_heads, num_kv_heads, head_dim,
         sliding_window, _DTYPE_CODES[dtype], torch.get_num_threads(),
+        kv_kind, kv_quant.scale_offset(head_dim),
     )  # fmt: skip
     code = cpu_attention_build.load().ce_cpu_paged_attention(ints, scale, softcap)
     if code == 3:

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import torch
 
+from compiled_engine.kernels import kv_quant
 from compiled_engine.kernels.reference import _write_kv
 from compiled_engine.kernels.source_version import source_version
 
 # Goes into every compile-cache key (Inductor's own key does not see a custom op's Python body):
-# a hash of this source and the reference's KV write it reuses (kernels/source_version.py).
-INLINE_ATTENTION_VERSION = source_version(__name__, "compiled_engine.kernels.reference")
+# a hash of this source, the reference's KV write it reuses and the quantized cache's maths
+# (kernels/source_version.py).
+INLINE_ATTENTION_VERSION = source_version(
+    __name__, "compiled_engine.kernels.reference", "compiled_engine.kernels.kv_quant"
+)
 
 # `materialize(x)`: a contiguous copy of x that Inductor cannot see through. Why: Inductor inlines
 # a pointwise producer into each consumer, and inside the attention's reductions that means
@@ -83,10 +87,16 @@ def _check_write_inputs(
         raise ValueError(
             f"kv_cache must be [2, num_blocks, block_size, Hkv, D], got shape {tuple(kv_cache.shape)}"
         )
-    expected = (slot_mapping.shape[0], kv_cache.shape[3], kv_cache.shape[4])
+    head_dim = key.shape[-1]
+    expected = (slot_mapping.shape[0], kv_cache.shape[3], head_dim)
     for name, t in (("key", key), ("value", value)):
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} must be [T, Hkv, D] = {expected}, got {tuple(t.shape)}")
+    if kv_cache.shape[4] != kv_quant.row_width(head_dim, kv_cache.dtype):
+        raise ValueError(
+            f"kv_cache rows of {kv_cache.shape[4]} do not hold {kv_cache.dtype} heads of dim {head_dim} "
+            f"(want {kv_quant.row_width(head_dim, kv_cache.dtype)}: kernels/kv_quant.py)"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise ValueError(f"slot_mapping must be a 1-D integer tensor, got {slot_mapping.dtype}")
 
@@ -114,10 +124,11 @@ def paged_attention_inline(
         )
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads = kv_cache.shape[1:4]
-    if num_q_heads % num_kv_heads != 0 or kv_cache.shape[4] != head_dim:
+    quantized = kv_quant.is_quantized(kv_cache.dtype)
+    if num_q_heads % num_kv_heads != 0 or kv_cache.shape[4] != kv_quant.row_width(head_dim, kv_cache.dtype):
         raise ValueError(
             f"query [T, {num_q_heads}, {head_dim}] does not fit kv heads x head dim "
-            f"{num_kv_heads} x {kv_cache.shape[4]}"
+            f"{num_kv_heads} x {kv_cache.shape[4]}" + (" (packed quantized rows)" if quantized else "")
         )
     group = num_q_heads // num_kv_heads
     num_seqs, width = block_tables.shape
@@ -149,15 +160,17 @@ def paged_attention_inline(
     # [T, W, block, Hkv, D] -> [T, Hkv, 1, L, D]: L next to D puts the softmax reductions on the
     # innermost dimension of the scores, which Inductor then vectorises and parallelises over rows
     # (with L outermost it ran them one row at a time; ~15% slower at 64 x 512).
-    keys = kv_cache[0][blocks].view(num_tokens, context_len, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    values = kv_cache[1][blocks].view(num_tokens, context_len, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    keys = _gathered_float(kv_cache[0], blocks, head_dim)
+    values = _gathered_float(kv_cache[1], blocks, head_dim)
+    keys = keys.view(num_tokens, context_len, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    values = values.view(num_tokens, context_len, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     keys, values = keys[:, :, None], values[:, :, None]
     # GQA without repeating k/v: q head h = kv head h // G, HF's repeat_kv order.
     q = materialize(query).float().reshape(num_tokens, num_kv_heads, group, 1, head_dim)
 
     # Broadcast-multiply + sum, not matmul/einsum: an extern GEMM would force Inductor to
     # materialise the gathered keys; a reduction lets it read them straight from the cache.
-    scores = (q * keys.float()).sum(-1) * scale  # [T, Hkv, G, L]
+    scores = (q * keys).sum(-1) * scale  # [T, Hkv, G, L]
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     # where, not a multiply: masked slots may hold NaN/inf, which survive 0 * x.
@@ -170,10 +183,19 @@ def paged_attention_inline(
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # [T, Hkv, G]
     # Values need the mask too: a zero weight times a NaN value is still NaN.
-    values = torch.where(visible[..., None], values.float(), 0.0)
+    values = torch.where(visible[..., None], values, 0.0)
     # Normalise after the weighted sum: D divisions per row instead of L.
     out = (weights[..., None] * values).sum(-2) / denom[..., None]  # [T, Hkv, G, D]
     return out.reshape(num_tokens, num_q_heads, head_dim).to(query.dtype)
+
+
+def _gathered_float(cache: torch.Tensor, blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """One side of the cache at `blocks` [T, W] as float32 [T, W, block, Hkv, D]: a quantized
+    cache's codes times their rows' scales (kernels/kv_quant.py), which Inductor folds into the
+    same indirect loads as the plain cache's."""
+    if kv_quant.is_quantized(cache.dtype):
+        return kv_quant.unpack_rows(cache[blocks], head_dim)
+    return cache[blocks].float()
 
 
 # The same maths as an operator a graph can name: CompositeImplicitAutograd, so tracing

@@ -9,7 +9,10 @@ Shapes (T = tokens this step, S = sequences this step):
   query            [T, Hq, D]
   key, value       [T, Hkv, D]      this step's k/v, after RoPE; Hq % Hkv == 0 (GQA/MQA)
   kv_cache         [2, num_blocks, block_size, Hkv, D]   mutated in place (k at 0, v at 1);
-                                    its last block is the scratch block (see below)
+                                    its last block is the scratch block (see below). An int8 or
+                                    float8_e4m3fn cache is quantized: its last dimension is a
+                                    packed row of codes and a float32 scale per token and head
+                                    (kernels/kv_quant.py), written quantized and read dequantized
   slot_mapping     [T] int64        block_id * block_size + offset; -1 = padding
   block_tables     [S, max_blocks] int32   block ids of each sequence, in order
   seq_lens         [S] int32        tokens in the cache for each sequence after this step's write
@@ -19,7 +22,7 @@ Shapes (T = tokens this step, S = sequences this step):
   scale            softmax scale applied to q·k
   sliding_window   > 0: a query at position p sees keys at positions > p - sliding_window
   softcap          > 0: scores = softcap * tanh(scores / softcap) before the softmax
-Returns [T, Hq, D] in query's dtype.
+Returns [T, Hq, D] in query's dtype (maths in float32 whatever the cache holds).
 
 Padding: rows with slot -1 have their k/v written into the cache's last block, the scratch
 block, which the engine never hands to a sequence (worker/kv_cache.py allocates it on top of

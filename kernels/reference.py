@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from compiled_engine.kernels import kv_quant
 from compiled_engine.kernels.source_version import source_version
 
-# Goes into the compile-cache key next to the op's own version: a hash of this source.
-REFERENCE_VERSION = source_version(__name__)
+# Goes into the compile-cache key next to the op's own version: a hash of this source and of the
+# quantized cache's maths it uses.
+REFERENCE_VERSION = source_version(__name__, kv_quant.__name__)
 
 # Upper bound on the float32 keys + values gathered for one chunk of query tokens. Kept well
 # under glibc's 32 MiB mmap ceiling so the chunk buffers are recycled from the heap: fresh
@@ -80,8 +82,8 @@ def paged_attention_reference(
         blocks = safe_tables[seq_idx[start:end]].flatten()  # [C * max_blocks]
         # [C * max_blocks, block_size, Hkv, D] -> [C, L, Hkv, D] (a view), float32 for the maths.
         # index_select, not advanced indexing: it copies whole blocks and is several times faster.
-        k = key_cache.index_select(0, blocks).view(size, context_len, num_kv_heads, head_dim).float()
-        v = value_cache.index_select(0, blocks).view(size, context_len, num_kv_heads, head_dim).float()
+        k = _gather_float(key_cache, blocks, head_dim).view(size, context_len, num_kv_heads, head_dim)
+        v = _gather_float(value_cache, blocks, head_dim).view(size, context_len, num_kv_heads, head_dim)
         # GQA: view q heads as [Hkv, G] so each kv head serves its group of G without repeating
         # k/v, in HF's repeat_kv order (q head h uses kv head h // G).
         q = query[start:end].float().reshape(size, num_kv_heads, group, head_dim)
@@ -117,6 +119,15 @@ def paged_attention_reference(
     return out
 
 
+def _gather_float(cache: torch.Tensor, blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Whole blocks of one side of the cache, [n, block_size, Hkv, D] in float32 (dequantized
+    from a quantized cache's packed rows: kernels/kv_quant.py)."""
+    gathered = cache.index_select(0, blocks)
+    if kv_quant.is_quantized(cache.dtype):
+        return kv_quant.unpack_rows(gathered, head_dim)
+    return gathered.float()
+
+
 def _write_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -125,7 +136,13 @@ def _write_kv(
     # Padding goes to the scratch block (the last one), whatever lands there is never read.
     scratch_slot = (num_blocks - 1) * block_size
     slots = torch.where(slots >= 0, slots, scratch_slot)
-    rows = torch.stack((key, value)).to(kv_cache.dtype)  # [2, T, Hkv, D]
+    rows = torch.stack((key, value))  # [2, T, Hkv, D]
+    if kv_quant.is_quantized(kv_cache.dtype):
+        rows = kv_quant.pack_rows(rows, kv_cache.dtype)  # [2, T, Hkv, row]: codes and scale
+        # As bytes: index_copy_ and index_put_ have no float8 kernels (same element size, same bits).
+        rows, kv_cache = rows.view(torch.uint8), kv_cache.view(torch.uint8)
+    else:
+        rows = rows.to(kv_cache.dtype)
     if kv_cache.is_contiguous():
         # One indexed copy for K and V together over the cache's slots: this runs once per layer
         # per step, and each eager op costs more dispatch than its few rows of data.
@@ -160,7 +177,13 @@ def _check_inputs(
                 f"{name} must be [T, Hkv, D] = {(num_tokens, num_kv_heads, head_dim)} to match query "
                 f"and kv_cache, got {tuple(t.shape)}"
             )
-    if kv_cache.shape[4] != head_dim:
+    width = kv_quant.row_width(head_dim, kv_cache.dtype)
+    if kv_cache.shape[4] != width:
+        if kv_quant.is_quantized(kv_cache.dtype):
+            raise ValueError(
+                f"a {kv_cache.dtype} kv_cache holds packed rows of {width} bytes for head dim {head_dim} "
+                f"(codes, padding, float32 scale: kernels/kv_quant.py), got {kv_cache.shape[4]}"
+            )
         raise ValueError(f"kv_cache head dim {kv_cache.shape[4]} != query head dim {head_dim}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")

@@ -18,6 +18,13 @@ table[position // block_size]) rather than walking whole blocks, so any block si
 dim is padded to a power of two (at least 16) under masks, so any head dim up to 256 works.
 Scores, softmax and accumulators are float32 whatever the input dtype.
 
+A quantized cache (int8 or float8_e4m3fn rows with a float32 scale per token and head,
+kernels/kv_quant.py) reaches the kernels as two views of its storage: the codes (fp8 as raw
+bytes) and the scales. The write kernel quantizes each row with kv_quant.py's maths (round half
+to even by the 1.5 * 2^23 trick, e4m3 encoded with integer ops), and the tile loader widens the
+codes to float32 (fp8 through float16's bits, which needs no fp8 hardware) and applies the scale,
+so the same kernels run on any GPU and under the interpreter.
+
 The host side never reads a tensor value: grids and tile sizes come from shapes only, so the op
 can be captured in a CUDA graph. Which attention kernel runs is decided from shapes too:
 T == S (as many query rows as sequences, the shape of a decode batch) takes the split-KV path,
@@ -35,22 +42,80 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from compiled_engine.kernels import kv_quant
 from compiled_engine.kernels.reference import _check_inputs
 from compiled_engine.kernels.source_version import source_version
 
-# Goes into the compile-cache key with the op's own version: a hash of this source.
-TRITON_ATTENTION_VERSION = source_version(__name__)
+# Goes into the compile-cache key with the op's own version: a hash of this source and of the
+# quantized cache's layout it reads (kernels/kv_quant.py).
+TRITON_ATTENTION_VERSION = source_version(__name__, kv_quant.__name__)
 
 MAX_HEAD_DIM = 256
 # Keys per split-KV partition. Long enough that the reduce is cheap next to the partitions,
 # short enough that a handful of decode rows still fills the GPU with programs.
 DECODE_PARTITION_SIZE = 512
+# KV_QUANT, the kernels' cache kind: the query's dtype, int8 codes, fp8 e4m3 codes (as bytes).
+KV_PLAIN, KV_INT8, KV_FP8 = 0, 1, 2
+_KV_KINDS = {torch.int8: KV_INT8, torch.float8_e4m3fn: KV_FP8}
+
+
+@triton.jit
+def _round_half_even(x):
+    # Adding and removing 1.5 * 2^23 leaves the float32 rounded to an integer, ties to even
+    # (torch.round's rule), for |x| < 2^22; the codes' range is far inside that.
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _encode_fp8(x):
+    """float32 |x| <= 448 -> e4m3 bits (uint8), nearest even: kernels/cpu_attention.cpp encode_fp8."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    # Below 2^-6: subnormal steps of 2^-9 (8 steps is the first normal's code).
+    subnormal = _round_half_even(magnitude * 512.0).to(tl.int32)
+    # Else the mantissa rounded to 3 bits, ties to even, and the exponent rebiased from 127 to 7.
+    rounded = magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)
+    normal = (rounded >> 20) - 960
+    return (tl.where(magnitude < 0.015625, subnormal, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _decode_codes(codes, KV_QUANT: tl.constexpr):
+    """Codes as float32 values (before the row's scale)."""
+    if KV_QUANT == 1:
+        values = codes.to(tl.float32)
+    else:
+        # fp8 e4m3 -> its bits moved into a float16 (bias 7 -> 15 scales by 2^-8), widened, times 2^8.
+        c = codes.to(tl.int32)
+        half_bits = (((c & 0x7F) << 7) | ((c & 0x80) << 8)).to(tl.uint16)
+        values = half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return values
+
+
+@triton.jit
+def _quantize_row(x, KV_QUANT: tl.constexpr):
+    """One head's float32 values [BLOCK_D] (zeros past the head dim) -> codes and their scale,
+    with kernels/kv_quant.py's maths."""
+    # div_rn: IEEE division, as torch's and the C++ kernel's (a GPU's default may be approximate).
+    amax = tl.max(tl.abs(x), axis=0)
+    if KV_QUANT == 1:
+        scale = tl.maximum(tl.math.div_rn(amax, 127.0), 1.1754943508222875e-38)
+        scaled = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+        codes = _round_half_even(tl.minimum(tl.maximum(scaled, -127.0), 127.0)).to(tl.int8)
+    else:
+        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+        scaled = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+        codes = _encode_fp8(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
+    return codes, scale
 
 
 @triton.jit
@@ -58,6 +123,7 @@ def _kv_cache_write_kernel(
     key_ptr,
     value_ptr,
     kv_cache_ptr,
+    kv_scale_ptr,
     slot_mapping_ptr,
     scratch_slot,
     stride_k_tok,
@@ -71,9 +137,15 @@ def _kv_cache_write_kernel(
     stride_cache_offset,
     stride_cache_head,
     stride_cache_dim,
+    stride_scale_kv,
+    stride_scale_block,
+    stride_scale_offset,
+    stride_scale_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -94,13 +166,30 @@ def _kv_cache_write_kernel(
         + head * stride_cache_head
         + dims * stride_cache_dim
     )
-    tl.store(dest, k.to(kv_cache_ptr.dtype.element_ty), mask=dim_mask)
-    tl.store(dest + stride_cache_kv, v.to(kv_cache_ptr.dtype.element_ty), mask=dim_mask)
+    if KV_QUANT == 0:
+        tl.store(dest, k.to(kv_cache_ptr.dtype.element_ty), mask=dim_mask)
+        tl.store(dest + stride_cache_kv, v.to(kv_cache_ptr.dtype.element_ty), mask=dim_mask)
+    else:
+        k_codes, k_scale = _quantize_row(tl.where(dim_mask, k.to(tl.float32), 0.0), KV_QUANT)
+        v_codes, v_scale = _quantize_row(tl.where(dim_mask, v.to(tl.float32), 0.0), KV_QUANT)
+        # Up to the scale: the padding after the head dim gets code 0, as the reference writes it.
+        row_mask = dims < SCALE_OFFSET
+        tl.store(dest, k_codes, mask=row_mask)
+        tl.store(dest + stride_cache_kv, v_codes, mask=row_mask)
+        scale_dest = (
+            kv_scale_ptr
+            + block * stride_scale_block
+            + offset * stride_scale_offset
+            + head * stride_scale_head
+        )
+        tl.store(scale_dest, k_scale)
+        tl.store(scale_dest + stride_scale_kv, v_scale)
 
 
 @triton.jit
 def _load_kv_tile(
     kv_cache_ptr,
+    kv_scale_ptr,
     table_row,
     keys,
     key_mask,
@@ -109,11 +198,17 @@ def _load_kv_tile(
     stride_cache_kv,
     stride_cache_block,
     stride_cache_offset,
+    scale_head_offset,
+    stride_scale_kv,
+    stride_scale_block,
+    stride_scale_offset,
     BLOCK_SIZE: tl.constexpr,
     compute_dtype: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Keys and values [BLOCK_N, BLOCK_D] at positions `keys` of one sequence and kv head, each
-    position's block looked up in the block table on its own (so any block size works)."""
+    position's block looked up in the block table on its own (so any block size works);
+    dequantized with their rows' scales from a quantized cache."""
     blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
     kv_offsets = (
         blocks[:, None] * stride_cache_block
@@ -122,9 +217,17 @@ def _load_kv_tile(
     )
     load_mask = key_mask[:, None] & dim_mask[None, :]
     # other=0: slots past the end may hold NaN, and 0 * NaN would leak into the sums.
-    k = tl.load(kv_cache_ptr + kv_offsets, mask=load_mask, other=0.0).to(compute_dtype)
-    v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=load_mask, other=0.0).to(compute_dtype)
-    return k, v
+    k = tl.load(kv_cache_ptr + kv_offsets, mask=load_mask, other=0)
+    v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=load_mask, other=0)
+    if KV_QUANT != 0:
+        scale_offsets = (
+            blocks * stride_scale_block + (keys % BLOCK_SIZE) * stride_scale_offset + scale_head_offset
+        )
+        k_scale = tl.load(kv_scale_ptr + scale_offsets, mask=key_mask, other=0.0)
+        v_scale = tl.load(kv_scale_ptr + stride_scale_kv + scale_offsets, mask=key_mask, other=0.0)
+        k = _decode_codes(k, KV_QUANT) * k_scale[:, None]
+        v = _decode_codes(v, KV_QUANT) * v_scale[:, None]
+    return k.to(compute_dtype), v.to(compute_dtype)
 
 
 @triton.jit
@@ -152,6 +255,7 @@ def _online_softmax_step(scores, v, running_max, running_sum, acc, DOT_PRECISION
 def _split_kv_decode_kernel(
     query_ptr,
     kv_cache_ptr,
+    kv_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -172,6 +276,10 @@ def _split_kv_decode_kernel(
     stride_cache_offset,
     stride_cache_head,
     stride_cache_dim,
+    stride_scale_kv,
+    stride_scale_block,
+    stride_scale_offset,
+    stride_scale_head,
     stride_table_seq,
     stride_out_tok,
     stride_out_head,
@@ -188,6 +296,7 @@ def _split_kv_decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """One query row x one kv head (its GROUP query heads at once) x one partition of the context."""
     token = tl.program_id(0)
@@ -237,6 +346,7 @@ def _split_kv_decode_kernel(
         key_mask = keys < hi
         k, v = _load_kv_tile(
             kv_cache_ptr,
+            kv_scale_ptr,
             table_row,
             keys,
             key_mask,
@@ -245,8 +355,13 @@ def _split_kv_decode_kernel(
             stride_cache_kv,
             stride_cache_block,
             stride_cache_offset,
+            kv_head * stride_scale_head,
+            stride_scale_kv,
+            stride_scale_block,
+            stride_scale_offset,
             BLOCK_SIZE,
             q.dtype,
+            KV_QUANT,
         )
         scores = _tile_scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
@@ -312,6 +427,7 @@ def _split_kv_reduce_kernel(
 def _extend_attention_kernel(
     query_ptr,
     kv_cache_ptr,
+    kv_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -329,6 +445,10 @@ def _extend_attention_kernel(
     stride_cache_offset,
     stride_cache_head,
     stride_cache_dim,
+    stride_scale_kv,
+    stride_scale_block,
+    stride_scale_offset,
+    stride_scale_head,
     stride_table_seq,
     stride_out_tok,
     stride_out_head,
@@ -343,6 +463,7 @@ def _extend_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """BLOCK_M query rows of one sequence x one query head, over that sequence's keys (causal)."""
     tile = tl.program_id(0)
@@ -402,6 +523,7 @@ def _extend_attention_kernel(
         key_mask = keys < hi
         k, v = _load_kv_tile(
             kv_cache_ptr,
+            kv_scale_ptr,
             table_row,
             keys,
             key_mask,
@@ -410,8 +532,13 @@ def _extend_attention_kernel(
             stride_cache_kv,
             stride_cache_block,
             stride_cache_offset,
+            kv_head * stride_scale_head,
+            stride_scale_kv,
+            stride_scale_block,
+            stride_scale_offset,
             BLOCK_SIZE,
             q.dtype,
+            KV_QUANT,
         )
         scores = _tile_scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None]) & row_mask[:, None]
@@ -449,16 +576,42 @@ def paged_attention_triton(
     """
     _check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
     _check_supported(query, kv_cache)
+    cache = _CacheViews.of(kv_cache, query.shape[2])
     with _on_device(query):
-        _write_kv(key, value, kv_cache, slot_mapping)
+        _write_kv(key, value, cache, slot_mapping)
         out = query.new_zeros(query.shape)
         num_tokens, num_seqs = query.shape[0], block_tables.shape[0]
         if num_tokens == 0 or num_seqs == 0:
             return out
         # Static choice (see the module docstring): a decode-shaped batch gets the split-KV kernel.
         attend = _split_kv_decode if num_tokens == num_seqs else _extend
-        attend(query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, sliding_window, softcap)
+        attend(query, cache, block_tables, seq_lens, query_start_loc, out, scale, sliding_window, softcap)
     return out
+
+
+@dataclass(frozen=True)
+class _CacheViews:
+    """What the kernels read and write: the cache (a quantized one's codes, fp8 as bytes) and, for
+    a quantized cache, its float32 scales [2, blocks, block_size, Hkv] (views of one storage)."""
+
+    codes: torch.Tensor  # [2, blocks, block_size, Hkv, D or the packed row]
+    scales: torch.Tensor  # the scales, or the cache itself as a pointer never read
+    scale_strides: tuple[int, ...]  # [kv, block, offset, head], in float32 elements
+    kind: int  # KV_PLAIN, KV_INT8 or KV_FP8
+    head_dim: int
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor, head_dim: int) -> _CacheViews:
+        kind = _KV_KINDS.get(kv_cache.dtype, KV_PLAIN)
+        if kind == KV_PLAIN:
+            return cls(kv_cache, kv_cache, (0, 0, 0, 0), kind, head_dim)
+        _, scales = kv_quant.split_rows(kv_cache, head_dim)
+        codes = kv_cache.view(torch.uint8) if kind == KV_FP8 else kv_cache
+        return cls(codes, scales, tuple(scales.stride()), kind, head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.codes.dtype
 
 
 def _check_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -484,37 +637,44 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _key_row_bytes(query: torch.Tensor, kv_cache: torch.Tensor) -> int:
+def _key_row_bytes(query: torch.Tensor, cache: _CacheViews) -> int:
     """Bytes of one padded key row as the dot sees it (float32 when query and cache dtypes differ)."""
-    element_size = 4 if query.dtype != kv_cache.dtype else query.element_size()
+    element_size = 4 if query.dtype != cache.dtype else query.element_size()
     return _block_d(query.shape[2]) * element_size
 
 
-def _write_kv(key, value, kv_cache, slot_mapping) -> None:
+def _write_kv(key, value, cache: _CacheViews, slot_mapping) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    num_blocks, block_size = kv_cache.shape[1:3]
+    num_blocks, block_size = cache.codes.shape[1:3]
     _kv_cache_write_kernel[(num_tokens, num_kv_heads)](
         key,
         value,
-        kv_cache,
+        cache.codes,
+        cache.scales,
         slot_mapping,
         (num_blocks - 1) * block_size,
         *key.stride(),
         *value.stride(),
-        *kv_cache.stride(),
+        *cache.codes.stride(),
+        *cache.scale_strides,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size,
+        KV_QUANT=cache.kind,
+        SCALE_OFFSET=kv_quant.scale_offset(head_dim),
     )
 
 
-def _shared_args(query, kv_cache, block_tables, scale, sliding_window, softcap) -> tuple[tuple, dict]:
+def _shared_args(
+    query, cache: _CacheViews, block_tables, scale, sliding_window, softcap
+) -> tuple[tuple, dict]:
     """Runtime arguments after the pointers, and constexprs, common to both attention kernels."""
     num_seqs, table_width = block_tables.shape
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:5]
-    upcast = query.dtype != kv_cache.dtype
+    block_size, num_kv_heads = cache.codes.shape[2:4]
+    head_dim = cache.head_dim
+    upcast = query.dtype != cache.dtype
     runtime = (
         num_seqs,
         table_width * block_size,
@@ -522,7 +682,8 @@ def _shared_args(query, kv_cache, block_tables, scale, sliding_window, softcap) 
         float(softcap) if softcap > 0 else 1.0,
         int(sliding_window),
         *query.stride(),
-        *kv_cache.stride(),
+        *cache.codes.stride(),
+        *cache.scale_strides,
         block_tables.stride(0),
     )
     constexprs = dict(
@@ -537,23 +698,24 @@ def _shared_args(query, kv_cache, block_tables, scale, sliding_window, softcap) 
         # float32 dots in full precision (tf32 would miss the reference by ~1e-3); None leaves the
         # backend's default for half-precision inputs, where the option does not apply.
         DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else None,
+        KV_QUANT=cache.kind,
     )
     return runtime, constexprs
 
 
 def _split_kv_decode(
-    query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, sliding_window, softcap
+    query, cache: _CacheViews, block_tables, seq_lens, query_start_loc, out, scale, sliding_window, softcap
 ) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    context_len = block_tables.shape[1] * kv_cache.shape[2]
+    num_kv_heads = cache.codes.shape[3]
+    context_len = block_tables.shape[1] * cache.codes.shape[2]
     partition_size = DECODE_PARTITION_SIZE
     num_partitions = max(1, math.ceil(context_len / partition_size))
     # Key tiles of at most 32 KiB (64 rows of fp16 x 256): fp32 at 256 needed 148 KiB of shared
     # memory at 64 rows, more than GPUs other than A100/H100 give one block.
-    widest_tile = 64 if _key_row_bytes(query, kv_cache) <= 512 else 32
+    widest_tile = 64 if _key_row_bytes(query, cache) <= 512 else 32
     block_n = min(widest_tile, partition_size, max(16, triton.next_power_of_2(context_len)))
-    runtime, constexprs = _shared_args(query, kv_cache, block_tables, scale, sliding_window, softcap)
+    runtime, constexprs = _shared_args(query, cache, block_tables, scale, sliding_window, softcap)
     group = constexprs["GROUP"]
 
     if num_partitions == 1:
@@ -569,7 +731,8 @@ def _split_kv_decode(
         )
     _split_kv_decode_kernel[(num_tokens, num_kv_heads, num_partitions)](
         query,
-        kv_cache,
+        cache.codes,
+        cache.scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -603,22 +766,23 @@ def _split_kv_decode(
 
 
 def _extend(
-    query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, sliding_window, softcap
+    query, cache: _CacheViews, block_tables, seq_lens, query_start_loc, out, scale, sliding_window, softcap
 ) -> None:
     num_tokens, num_q_heads, _ = query.shape
     num_seqs = block_tables.shape[0]
-    runtime, constexprs = _shared_args(query, kv_cache, block_tables, scale, sliding_window, softcap)
+    runtime, constexprs = _shared_args(query, cache, block_tables, scale, sliding_window, softcap)
     # Tiles no taller than the batch; smaller tiles for big heads keep the accumulator in registers
     # and the pipelined key/value tiles within ~100 KiB of shared memory (checked for sm_90 builds).
     block_d = constexprs["BLOCK_D"]
     block_m = min(32 if block_d > 128 else 64, max(16, triton.next_power_of_2(num_tokens)))
     block_n = 64 if block_d <= 64 else 32
-    if _key_row_bytes(query, kv_cache) > 512:
+    if _key_row_bytes(query, cache) > 512:
         block_n = 16
     num_tiles = num_tokens // block_m + num_seqs
     _extend_attention_kernel[(num_tiles, num_q_heads)](
         query,
-        kv_cache,
+        cache.codes,
+        cache.scales,
         block_tables,
         seq_lens,
         query_start_loc,

@@ -116,3 +116,21 @@ def check_op_under_torch_compile(op, device: torch.device | str = "cpu", atol: f
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")
     torch.testing.assert_close(compiled(*batch.args(compiled_cache)), expected, atol=atol, rtol=atol)
     torch.testing.assert_close(compiled_cache, eager_cache, atol=0, rtol=0, equal_nan=True)
+
+
+def quantized_cache(kv_cache: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """`kv_cache` (a batch's float cache, NaN in never-written slots) as a quantized cache of `dtype`
+    (int8 / float8_e4m3fn, kernels/kv_quant.py): written rows quantized, and never-written rows given
+    random codes and a NaN scale, so a kernel that reads one shows NaN as with the float cache."""
+    from compiled_engine.kernels import kv_quant
+
+    head_dim = kv_cache.shape[-1]
+    written = torch.isfinite(kv_cache).all(-1)  # [2, blocks, block, Hkv]
+    rows = kv_quant.pack_rows(torch.nan_to_num(kv_cache.float().cpu()), dtype)
+    codes, scales = kv_quant.split_rows(rows, head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.int16).to(torch.uint8)
+    stale = ~written.cpu()
+    codes.view(torch.uint8)[stale] = noise[stale]
+    scales[stale] = float("nan")
+    return rows.to(kv_cache.device)

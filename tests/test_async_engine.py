@@ -117,3 +117,29 @@ def test_bad_request_keeps_the_async_engine_serving(engines):
 def test_async_scheduling_must_be_a_bool_or_none(llama_dir):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(llama_dir, async_scheduling="yes", enforce_eager=True)
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype, num_requests, eager",
+    [
+        # The default run's check is tests/test_prefix_caching_engine.py's int8 one (async + cache).
+        pytest.param("int8", 80, True, id="int8-eager", marks=pytest.mark.slow),
+        pytest.param("fp8", NUM_REQUESTS, False, id="fp8-compiled", marks=pytest.mark.slow),
+    ],
+)
+def test_async_and_sync_loops_agree_on_a_quantized_kv_cache(llama_dir, kv_cache_dtype, num_requests, eager):
+    workload = _workload(seed=2)[:num_requests]
+    outputs = []
+    for async_ in (False, True):
+        llm = LLM(
+            llama_dir,
+            async_scheduling=async_,
+            kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=eager,
+            **ENGINE_OPTIONS,
+        )
+        outputs.append(_run(llm, workload))
+        stats = llm.stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_preemptions > 0
+        llm.close()
+    assert len(outputs[0]) == num_requests and outputs[1] == outputs[0]

@@ -114,3 +114,42 @@ def test_prefix_caching_options_are_checked_and_the_cli_can_turn_it_off(llama_di
     parser = _build_parser()
     assert not parser.parse_args(["generate", "hi", "--no-prefix-caching"]).enable_prefix_caching
     assert parser.parse_args(["warmup"]).enable_prefix_caching
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype, modes, eager, num_requests",
+    [
+        # Cheap: prefix caching off with the synchronous loop against on with the async one (the
+        # async loop's own test on a quantized cache is tests/test_async_engine.py's slow one).
+        pytest.param("int8", [(False, False), (True, True)], True, 40, id="int8-eager"),
+        pytest.param("fp8", MODES, False, NUM_REQUESTS, id="fp8-compiled", marks=pytest.mark.slow),
+        pytest.param("int8", MODES, False, NUM_REQUESTS, id="int8-compiled", marks=pytest.mark.slow),
+    ],
+)
+def test_a_quantized_kv_cache_keeps_outputs_independent_of_caching_and_the_loop(
+    llama_dir, kv_cache_dtype, modes, eager, num_requests
+):
+    # Each token's codes and scales depend on that token's keys and values only, and live in its
+    # block: a prefix hit reads the codes the first request wrote, a preempted request recomputes
+    # the same ones, so every mode gives the same greedy tokens (those of the quantized engine).
+    workload = _workload(seed=1)[:num_requests]
+    results, engines = {}, {}
+    for caching, async_ in modes:
+        llm = LLM(
+            llama_dir,
+            enable_prefix_caching=caching,
+            async_scheduling=async_,
+            kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=eager,
+            **ENGINE_OPTIONS,
+        )
+        engines[(caching, async_)], results[(caching, async_)] = llm, _run(llm, workload)
+    expected = results[modes[0]]
+    assert len(expected) == num_requests
+    for mode in modes:
+        assert results[mode] == expected, f"enable_prefix_caching={mode[0]} async_scheduling={mode[1]}"
+        stats = engines[mode].stats()
+        assert stats.num_preemptions > 0, "the workload was meant to force preemption"
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert (stats.prefix_cache_hits > 0) == mode[0]
+        engines[mode].close()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.kernels import kv_quant
 from compiled_engine.model_loader.loader import LoadedModel
 from compiled_engine.worker import kv_cache
 
@@ -23,14 +24,15 @@ class KVCacheLayout:
     block_size: int
     num_kv_heads: int  # this rank's share (all of them without tensor parallelism)
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the cache's storage: the model's dtype, or int8 / fp8 codes (kernels/kv_quant.py)
     device: torch.device
 
     @classmethod
     def of(cls, loaded: LoadedModel, config: EngineConfig) -> KVCacheLayout:
         mc = loaded.model_config
         kv_heads = loaded.tensor_parallel.local_kv_heads if loaded.tensor_parallel else mc.num_kv_heads
-        return cls(mc.num_layers, config.block_size, kv_heads, mc.head_dim, mc.dtype, config.device)
+        dtype = kv_quant.storage_dtype(config.kv_cache_dtype, mc.dtype)
+        return cls(mc.num_layers, config.block_size, kv_heads, mc.head_dim, dtype, config.device)
 
     @property
     def block_bytes(self) -> int:
@@ -82,4 +84,4 @@ def report_capacity(num_blocks: int, config: EngineConfig) -> None:
             num_blocks * config.block_size,
             config.max_model_len,
         )
-    kv_cache.log_cache_capacity(num_blocks, config.block_size, config.max_model_len)
+    kv_cache.log_cache_capacity(num_blocks, config.block_size, config.max_model_len, config.kv_cache_dtype)

@@ -22,18 +22,25 @@ from compiled_engine.records.graph_status import graph_label
 class WarmupRow:
     bucket: int | None
     build: BucketBuild
-    # How the graph attends: "inline" (Inductor-fused maths) or the attention backend's op.
+    # How the graph attends: "inline" (Inductor-fused maths) or the attention backend's op, with
+    # the KV cache's codes when quantized ("cpu int8-kv").
     attention: str
 
 
-def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupRow]:
-    """Build (load or compile) every graph the step can run, with a progress bar."""
+def warm_up_buckets(
+    step: StepGraph, show_progress: bool = True, kv_cache_dtype: str = "auto"
+) -> list[WarmupRow]:
+    """Build (load or compile) every graph the step can run, with a progress bar. `kv_cache_dtype`
+    (the engine's, resolved) labels the attention column when the cache is quantized."""
     buckets = step.all_buckets()
     step.compile_buckets(buckets, show_progress=show_progress)
     backend = step.attention_backend.name if step.attention_backend is not None else "torch"
+    suffix = "" if kv_cache_dtype == "auto" else f" {kv_cache_dtype}-kv"
     return [
         WarmupRow(
-            bucket, step.builds[bucket], "inline" if step.builds[bucket].variant.inline_attention else backend
+            bucket,
+            step.builds[bucket],
+            ("inline" if step.builds[bucket].variant.inline_attention else backend) + suffix,
         )
         for bucket in buckets
     ]

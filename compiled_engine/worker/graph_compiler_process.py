@@ -96,8 +96,12 @@ def _build_step_graph(job: CompileJob) -> StepGraph:
     loaded = load_model(
         config.model_dir, dtype=str(config.dtype).removeprefix("torch."), device=config.device
     )
+    from compiled_engine.kernels import kv_quant
+
+    # The serving process's layout: its shapes (packed rows when quantized) and storage dtype.
+    kv_dtype = kv_quant.storage_dtype(config.kv_cache_dtype, config.dtype)
     caches = [
-        torch.zeros((shape[0], COMPILER_KV_BLOCKS, *shape[2:]), dtype=config.dtype, device=config.device)
+        torch.zeros((shape[0], COMPILER_KV_BLOCKS, *shape[2:]), dtype=kv_dtype, device=config.device)
         for shape in job.kv_cache_shapes
     ]
     # Compile on demand (compile_buckets), on the synchronous path: no compiler of its own.

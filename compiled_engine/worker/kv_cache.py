@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from compiled_engine.kernels import kv_quant
+
 logger = logging.getLogger(__name__)
 
 # On CPU the cache lives in host RAM next to everything else; 1 GiB serves hundreds of
@@ -19,9 +21,11 @@ SCRATCH_BLOCKS = 1
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes one block costs across all layers (keys and values)."""
+    """Bytes one block costs across all layers (keys and values); for a quantized cache (int8 or
+    fp8 `dtype`) its codes and their per-token, per-head scales (kernels/kv_quant.py)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+    row = kv_quant.row_width(head_dim, dtype)
+    return 2 * num_layers * block_size * num_kv_heads * row * element
 
 
 def blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:
@@ -47,21 +51,25 @@ def allocate_kv_caches(
 
     `num_blocks` are the blocks sequences use (ids 0..num_blocks-1, the block pool's); the
     extra last one is the scratch block padded rows write to (kernels/paged_attention.py).
+    An int8 or fp8 `dtype` makes a quantized cache, whose last dimension is a packed row of
+    codes and scale instead of D (kernels/kv_quant.py).
     Zero-filled so a padded or stale slot never holds NaN/Inf that a masked-out score could
     still turn into NaN through 0 * inf.
     """
+    row = kv_quant.row_width(head_dim, dtype)
     return [
-        torch.zeros(
-            2, num_blocks + SCRATCH_BLOCKS, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        torch.zeros(2, num_blocks + SCRATCH_BLOCKS, block_size, num_kv_heads, row, dtype=dtype, device=device)
         for _ in range(num_layers)
     ]
 
 
-def log_cache_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
+def log_cache_capacity(
+    num_blocks: int, block_size: int, max_model_len: int, kv_cache_dtype: str = "auto"
+) -> None:
     tokens = num_blocks * block_size
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens; max concurrency at %d tokens per request: %.2fx",
+        "KV cache (%s): %d blocks x %d tokens = %d tokens; max concurrency at %d tokens per request: %.2fx",
+        kv_cache_dtype,
         num_blocks,
         block_size,
         tokens,

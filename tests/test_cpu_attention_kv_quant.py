@@ -1,0 +1,140 @@
+"""The C++ CPU kernel on a quantized KV cache (int8 / fp8 e4m3 rows with per-token, per-head scales):
+against the reference op on the same quantized cache (codes written identical, outputs as close as
+on a float cache) and against the unquantized reference (within the quantization's error)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_engine.kernels  # noqa: F401  (registers the ops)
+from compiled_engine.kernels import cpu_attention_build, kv_quant
+from compiled_engine.kernels.reference import paged_attention_reference
+from tests.attention_batches import Batch, make_attention_batch, quantized_cache
+
+if cpu_attention_build.compiler() is None:
+    pytest.skip("no C++ compiler on this machine: the cpu backend cannot be built", allow_module_level=True)
+
+QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
+QUERY_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+# Both sides dequantize the same codes in float32; only summation order differs.
+SAME_CODES_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+# Against the unquantized reference (tests/test_kv_quant.py explains the bounds), plus bf16 rounding.
+UNQUANTIZED_ATOL = {torch.int8: 0.06, torch.float8_e4m3fn: 0.3}
+
+CASES = {
+    # 64 and 128: the kernel's head-dim specialisations; the others its generic loop.
+    "decode_gqa_d64_bs16": ([(37, 1), (130, 1), (0, 1), (15, 1)], dict(head_dim=64, block_size=16), {}),
+    "prefill_g8_d128_window": (
+        [(0, 30), (12, 5)],
+        dict(num_q_heads=16, num_kv_heads=2, head_dim=128, block_size=16),
+        dict(sliding_window=9),
+    ),
+    "odd_heads_d20_bs5_softcap_padding": (
+        [(10, 7), (3, 1), (0, 0)],
+        dict(num_q_heads=9, num_kv_heads=3, head_dim=20, block_size=5, num_pad_rows=1),
+        dict(softcap=0.5),
+    ),
+    "mqa_d7_bs3": ([(8, 2), (0, 3)], dict(num_q_heads=3, num_kv_heads=1, head_dim=7, block_size=3), {}),
+}
+
+
+def run_both(batch: Batch, cache: torch.Tensor, scale: float, **options) -> tuple[torch.Tensor, ...]:
+    kernel_cache, reference_cache = cache.clone(), cache.clone()
+    sliding_window, softcap = options.get("sliding_window", -1), options.get("softcap", 0.0)
+    out = torch.ops.compiled_engine.paged_attention_cpu(
+        *batch.args(kernel_cache), scale, sliding_window, softcap
+    )
+    expected = paged_attention_reference(*batch.args(reference_cache), scale, sliding_window, softcap)
+    return out, expected, kernel_cache, reference_cache
+
+
+def assert_same_codes(batch: Batch, kernel_cache: torch.Tensor, reference_cache: torch.Tensor) -> None:
+    """Every byte equal (codes, padding, scales): the kernel quantizes with the reference's maths."""
+    compared = (
+        slice(None) if batch.num_pad_rows <= 1 else slice(0, -1)
+    )  # the scratch block's last write is free
+    a, b = kernel_cache[:, compared].view(torch.uint8), reference_cache[:, compared].view(torch.uint8)
+    assert torch.equal(a, b), f"{(a != b).sum().item()} cache bytes differ"
+
+
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_reference_on_the_same_quantized_cache(case, dtype, query_dtype):
+    spans, batch_options, attention_options = CASES[case]
+    batch = make_attention_batch(spans, dtype=query_dtype, **batch_options)
+    scale = batch.query.shape[2] ** -0.5
+    out, expected, kernel_cache, reference_cache = run_both(
+        batch, quantized_cache(batch.kv_cache, dtype), scale, **attention_options
+    )
+    assert out.dtype == query_dtype and out.shape == batch.query.shape
+    assert not out.isnan().any(), "a never-written row (NaN scale) reached an output"
+    torch.testing.assert_close(out, expected, **SAME_CODES_TOL[query_dtype])
+    assert_same_codes(batch, kernel_cache, reference_cache)
+    # And within the quantization's error of attention over the float cache.
+    unquantized = paged_attention_reference(*batch.args(batch.kv_cache.clone()), scale, **attention_options)
+    torch.testing.assert_close(out.float(), unquantized.float(), atol=UNQUANTIZED_ATOL[dtype], rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_writes_the_references_codes_for_ties_subnormals_and_extremes(dtype):
+    # Keys and values whose rows' amax is exactly QMAX (scale 1), so the codes are the values
+    # themselves rounded: every e4m3 value, the midpoints between neighbours (ties to even), and
+    # for int8 half-integers (ties) and tiny values; a zero row (the FLT_MIN scale floor).
+    qmax = kv_quant.QMAX[dtype]
+    if dtype == torch.float8_e4m3fn:
+        finite = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        finite = finite[finite.isfinite()].unique()
+        values = torch.cat([finite, (finite[1:] + finite[:-1]) / 2])
+    else:
+        values = torch.cat(
+            [torch.arange(-127, 127) + 0.5, torch.linspace(-3, 3, 97), torch.tensor([1e-30, -2.5])]
+        )
+    head_dim = 15
+    rows = -(-values.numel() // (head_dim - 1))
+    values = torch.cat([values, torch.zeros(rows * (head_dim - 1) - values.numel())]).view(rows, head_dim - 1)
+    values = torch.cat([values, torch.full((rows, 1), qmax)], dim=1)  # each row's amax: QMAX
+    values[-1] = 0.0
+    batch = make_attention_batch([(0, rows)], num_q_heads=1, num_kv_heads=1, head_dim=head_dim, block_size=4)
+    batch.key, batch.value = values[:, None].clone(), -values[:, None].clone()
+    _, _, kernel_cache, reference_cache = run_both(batch, quantized_cache(batch.kv_cache, dtype), 0.1)
+    assert_same_codes(batch, kernel_cache, reference_cache)
+
+
+def test_one_thread_and_many_agree_on_a_quantized_cache():
+    gen = torch.Generator().manual_seed(4)
+    spans = [(int(torch.randint(0, 70, (1,), generator=gen)), 1) for _ in range(7)]
+    batch = make_attention_batch(spans, head_dim=64, block_size=16, seed=9)
+    cache = quantized_cache(batch.kv_cache, torch.int8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_both(batch, cache, 0.125)[0]
+    finally:
+        torch.set_num_threads(threads)
+    many = run_both(batch, cache, 0.125)[0]
+    assert torch.equal(one, many)
+
+
+@pytest.mark.slow  # a second build of the kernel: ~15 s of g++
+def test_a_portable_build_without_avx512_writes_and_reads_the_same(monkeypatch, tmp_path):
+    # The kernel is plain loops the compiler vectorises for the build machine (-march=native: AVX-512
+    # here); built for baseline x86-64 (or the machine's generic target elsewhere) instead, the
+    # int8 widening and the fp8 decode through float16 take the scalar/SSE paths, and must agree.
+    import platform
+
+    portable = "-march=x86-64" if platform.machine() in ("x86_64", "AMD64") else "-mtune=generic"
+    flags = tuple(portable if f == "-march=native" else f for f in cpu_attention_build.FLAGS)
+    monkeypatch.setattr(cpu_attention_build, "FLAGS", flags)
+    monkeypatch.setattr(cpu_attention_build, "_loaded", None)  # restored afterwards: the native build
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    spans, batch_options, attention_options = CASES["odd_heads_d20_bs5_softcap_padding"]
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        batch = make_attention_batch(spans, **batch_options)
+        out, expected, kernel_cache, reference_cache = run_both(
+            batch, quantized_cache(batch.kv_cache, dtype), 0.2, **attention_options
+        )
+        torch.testing.assert_close(out, expected, **SAME_CODES_TOL[torch.float32])
+        assert_same_codes(batch, kernel_cache, reference_cache)
+    assert list(tmp_path.rglob("cpu_attention-*.so")), "the portable library was not built"
