@@ -48,9 +48,10 @@ def _assert_spec_ran_and_nothing_leaked(llm: LLM) -> None:
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-@pytest.mark.parametrize(
-    "k", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow), 5]
-)
+# The default run compares with the engine without speculation (below, under KV pressure) and keeps
+# these: transformers' reference for 32 prompts costs ~25 s here, each engine ~15 s more.
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_greedy_parity_with_ngram_speculation(k, model_dirs, references):  # noqa: F811
     prompts = PROMPTS["llama"]
     llm = LLM(model_dirs["llama"], dtype="float32", enforce_eager=True, speculative_config=ngram(k))
@@ -81,9 +82,10 @@ def test_greedy_parity_with_speculation_under_preemption(model_dirs, references)
 
 # --- randomised requests under KV pressure, against the same engine without speculation --------
 
-# (prefix caching, async loop): the default run takes two, -m slow all four.
+# (prefix caching, async loop): the default run takes one, -m slow all four. The compiled graphs
+# are test_prefix_caching_engine.py's (same options), so in a full run they come from its cache.
 SPEC_MODES = [
-    (False, False),
+    pytest.param((False, False), marks=pytest.mark.slow),
     pytest.param((True, False), marks=pytest.mark.slow),
     pytest.param((False, True), marks=pytest.mark.slow),
     (True, True),
@@ -105,9 +107,22 @@ def _workload(size: int, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def baseline(llama_dir):
+def plain_engine(llama_dir):
+    """No speculation, synchronous, no prefix cache: the reference the other engines must match."""
+    return LLM(llama_dir, enable_prefix_caching=False, async_scheduling=False, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(llama_dir):
+    """Speculation with prefix caching and the async loop: the default run's engine under test."""
+    options = dict(enable_prefix_caching=True, async_scheduling=True, speculative_config=ngram(3))
+    return LLM(llama_dir, **options, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def baseline(plain_engine):
     """Each workload's outputs without speculation (the same compiled engine options), made once."""
-    llm = LLM(llama_dir, enable_prefix_caching=False, async_scheduling=False, **ENGINE_OPTIONS)
+    llm = plain_engine
     results: dict[int, dict] = {}
 
     def get(size: int):
@@ -119,15 +134,18 @@ def baseline(llama_dir):
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES)
-def test_greedy_outputs_match_without_speculation_under_kv_pressure(mode, llama_dir, baseline):
+def test_greedy_outputs_match_without_speculation_under_kv_pressure(mode, llama_dir, baseline, request):
     caching, async_ = mode
-    llm = LLM(
-        llama_dir,
-        enable_prefix_caching=caching,
-        async_scheduling=async_,
-        speculative_config=ngram(3),
-        **ENGINE_OPTIONS,
-    )
+    if mode == (True, True):
+        llm = request.getfixturevalue("spec_engine")
+    else:
+        llm = LLM(
+            llama_dir,
+            enable_prefix_caching=caching,
+            async_scheduling=async_,
+            speculative_config=ngram(3),
+            **ENGINE_OPTIONS,
+        )
     assert _run(llm, _workload(60)) == baseline(60)
     assert llm.stats().num_preemptions > 0, "the workload was meant to force preemption"
     _assert_spec_ran_and_nothing_leaked(llm)
@@ -145,9 +163,9 @@ def test_200_randomised_requests_match_in_both_loops(llama_dir, baseline):
 
 
 @pytest.fixture(scope="module")
-def engines(llama_dir):
-    options = dict(dtype="float32", max_model_len=256, enforce_eager=True)
-    return LLM(llama_dir, **options), LLM(llama_dir, speculative_config=ngram(4), **options)
+def engines(plain_engine, spec_engine):
+    # The compiled engines of the KV-pressure test (ENGINE_OPTIONS: max_model_len 96, 40 blocks of 4).
+    return plain_engine, spec_engine
 
 
 # Repetitive code: n-gram proposals find matches, so runs of several tokens are accepted.
@@ -160,6 +178,7 @@ def _greedy(max_tokens: int, **extra) -> SamplingParams:
 
 def test_n_samples_stop_strings_and_stop_tokens_match_without_speculation(engines):
     plain, spec = engines
+    assert len(plain.get_tokenizer().encode(CODE)) + 32 <= ENGINE_OPTIONS["max_model_len"]
     full = plain.generate(CODE, _greedy(32), use_tqdm=False)[0].outputs[0]
     assert spec.generate(CODE, _greedy(32), use_tqdm=False)[0].outputs[0].token_ids == full.token_ids
     # A stop string and a stop token from the middle of the output: wherever they fall in an
@@ -206,6 +225,7 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(
     assert spec.stats().num_free_kv_blocks == spec.stats().num_kv_blocks
 
 
+@pytest.mark.slow  # the scheduler's side is tested in test_speculative_decoding.py
 def test_speculation_turns_off_above_the_batch_size_limit(llama_dir):
     llm = LLM(
         llama_dir,
@@ -223,6 +243,7 @@ def test_speculation_turns_off_above_the_batch_size_limit(llama_dir):
     assert llm.stats().num_spec_steps == before
 
 
+@pytest.mark.slow  # a server of its own (~15 s)
 def test_server_metrics_report_acceptance(llama_dir):
     engine = AsyncLLM(
         LLMEngine(
@@ -304,9 +325,9 @@ def tiny_vocab_targets(tiny_vocab_model):
 TINY_PROMPT = list(range(TINY_VOCAB)) * 2
 
 
-@pytest.mark.parametrize(
-    "rule", ["correct", pytest.param("residual_keeps_proposal", marks=pytest.mark.slow), "always_accept"]
-)
+# ~50 s each here: the default run has the verifier's own chi-square test (test_speculative_decoding.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["correct", "residual_keeps_proposal", "always_accept"])
 def test_temperature_one_outputs_follow_the_target_distribution(
     rule, tiny_vocab_model, tiny_vocab_targets, monkeypatch
 ):
