@@ -60,7 +60,9 @@ def sweep(batch_sizes: tuple[int, ...], new_tokens: int, prompt_tokens: int, rou
         "prompt_lookup_max": 4,
         "disable_by_batch_size": largest,
     }
-    options = dict(max_num_seqs=largest, compile_policy="blocking", enable_prefix_caching=False)
+    # The default max_num_seqs (256): a bucket's graph returns min(bucket, max_num_seqs) logits rows,
+    # and a step with more (k + 1 per speculating request) runs on the dynamic graph instead.
+    options = dict(compile_policy="blocking", enable_prefix_caching=False)
     engines = {"none": LLM(**options), "ngram": LLM(speculative_config=spec, **options)}
     prompts = completion_prompts(engines["none"].get_tokenizer(), largest, prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

@@ -42,7 +42,13 @@ def engines(request):
 def _run(benchmark, llm: LLM, prompts: list[list[int]], max_tokens: int, rounds: int, per_round: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     batches = [prompts[i * per_round : (i + 1) * per_round] for i in range(rounds)]
-    llm.generate([{"prompt_token_ids": p} for p in batches[0]], params, use_tqdm=False)  # warm-up
+    # Warm-up: every round's requests once, so each bucket their steps use (proposals change the
+    # token counts from round to round) is compiled before the timed rounds.
+    warmed: list[list[list[int]]] = []
+    for batch in batches:
+        if batch not in warmed:
+            warmed.append(batch)
+            llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     before = llm.stats()
     seconds: list[float] = []
     round_index = iter(range(rounds))

@@ -173,7 +173,7 @@ class EngineArgs:
         None,
         "speculative decoding as JSON, vLLM's shape: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 5, "disable_by_batch_size": 4}\' (docs/speculative_decoding.md)',
+        '"prompt_lookup_max": 5, "disable_by_batch_size": 2}\' (docs/speculative_decoding.md)',
         parse=_speculative_json,
     )
 

@@ -21,10 +21,11 @@ SPECULATIVE_METHODS = ("ngram",)
 # the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
 # Above this many running requests a step is verified without proposals (vLLM's
-# `disable_by_batch_size`; None there means never). The engine's default comes from the bench in
-# docs/speculative_decoding.md: on the CPU, verifying k extra tokens per request costs nearly k
-# times the compute once a step is no longer bound by reading the weights.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# `disable_by_batch_size`; None there means never). The engine's default comes from
+# `python -m bench.speculative` (docs/performance.md, "Speculative decoding"): on the CPU, n-gram
+# with k = 4 paid at 1 and 2 requests and cost at 4, where verifying k extra tokens per request is
+# no longer nearly free.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
 @dataclass(frozen=True, kw_only=True)
