@@ -20,7 +20,7 @@ from compiled_engine.engine.output_processor import OutputProcessor
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.entrypoints import cli
 from compiled_engine.records.engine_core_output import EngineCoreOutput
-from compiled_engine.records.request import Request, RequestStatus, TokenHistory
+from compiled_engine.records.request import Request, TokenHistory
 from compiled_engine.records.runner_output import ModelRunnerOutput, TokenLogprobs
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -339,20 +339,18 @@ def test_speculation_stops_above_the_batch_size_limit_and_skips_constrained_requ
     assert out.scheduled[0].num_draft_tokens == 0
 
 
-def test_with_a_step_in_flight_a_speculating_request_waits_for_its_token():
+def test_the_async_loop_does_not_speculate_for_now():
+    """Speculation is off with steps in flight (Scheduler._speculating says why): every step with
+    the async loop's scheduler is a plain one, and requests run as without speculation."""
     scheduler = _scheduler(max_in_flight_steps=2)
-    request = _request("a", [5, 6, 7, 5, 6])
+    request = _request("a", [5, 6, 7, 5, 6], max_tokens=4)
     scheduler.add_request(request)
-    first = scheduler.schedule()  # the prefill, in flight
-    assert scheduler.schedule().is_empty  # its proposals need the token it samples
-    scheduler.update(first, ModelRunnerOutput(("a",), (7,)))
-    second = scheduler.schedule()
-    assert second.scheduled[0].num_draft_tokens > 0
-    assert request.has_proposals_in_flight
-    assert scheduler.schedule().is_empty  # how many tokens it will have is not known yet
-    scheduler.update(second, ModelRunnerOutput(("a",), (1,), num_accepted_drafts=(0,)))
-    assert request.status is RequestStatus.RUNNING and request.output_token_ids == [7, 1]
-    assert request.num_computed_tokens == 6 and not request.has_proposals_in_flight
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        assert all(s.num_draft_tokens == 0 for s in out.scheduled)
+        ids = tuple(s.request_id for s in out.scheduled if s.sample)
+        scheduler.update(out, ModelRunnerOutput(ids, (7,) * len(ids)))
+    assert request.output_token_ids == [7, 7, 7, 7] and scheduler.num_spec_steps == 0
 
 
 # --- the output side: a stop string inside a run -----------------------------------------------
