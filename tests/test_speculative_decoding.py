@@ -20,7 +20,7 @@ from compiled_engine.engine.output_processor import OutputProcessor
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.entrypoints import cli
 from compiled_engine.records.engine_core_output import EngineCoreOutput
-from compiled_engine.records.request import Request, TokenHistory
+from compiled_engine.records.request import Request, RequestStatus, TokenHistory
 from compiled_engine.records.runner_output import ModelRunnerOutput, TokenLogprobs
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -339,18 +339,20 @@ def test_speculation_stops_above_the_batch_size_limit_and_skips_constrained_requ
     assert out.scheduled[0].num_draft_tokens == 0
 
 
-def test_the_async_loop_does_not_speculate_for_now():
-    """Speculation is off with steps in flight (Scheduler._speculating says why): every step with
-    the async loop's scheduler is a plain one, and requests run as without speculation."""
+def test_with_a_step_in_flight_a_speculating_request_waits_for_its_token():
     scheduler = _scheduler(max_in_flight_steps=2)
-    request = _request("a", [5, 6, 7, 5, 6], max_tokens=4)
+    request = _request("a", [5, 6, 7, 5, 6])
     scheduler.add_request(request)
-    while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
-        assert all(s.num_draft_tokens == 0 for s in out.scheduled)
-        ids = tuple(s.request_id for s in out.scheduled if s.sample)
-        scheduler.update(out, ModelRunnerOutput(ids, (7,) * len(ids)))
-    assert request.output_token_ids == [7, 7, 7, 7] and scheduler.num_spec_steps == 0
+    first = scheduler.schedule()  # the prefill, in flight
+    assert scheduler.schedule().is_empty  # its proposals need the token it samples
+    scheduler.update(first, ModelRunnerOutput(("a",), (7,)))
+    second = scheduler.schedule()
+    assert second.scheduled[0].num_draft_tokens > 0
+    assert request.has_proposals_in_flight
+    assert scheduler.schedule().is_empty  # how many tokens it will have is not known yet
+    scheduler.update(second, ModelRunnerOutput(("a",), (1,), num_accepted_drafts=(0,)))
+    assert request.status is RequestStatus.RUNNING and request.output_token_ids == [7, 1]
+    assert request.num_computed_tokens == 6 and not request.has_proposals_in_flight
 
 
 # --- the output side: a stop string inside a run -----------------------------------------------
@@ -380,3 +382,19 @@ def test_a_stop_string_inside_a_run_cuts_tokens_text_and_logprobs_there():
     assert completion.token_ids == tuple(run[: stop_at + 1])
     assert len(completion.logprobs) == stop_at + 1
     assert completion.cumulative_logprob == pytest.approx(-0.5 * (stop_at + 1))
+
+
+def test_the_last_prompt_chunk_can_speculate_behind_a_chunk_in_flight():
+    """The async loop: a prompt's last chunk (one token) scheduled while its previous chunk is in
+    flight starts past that chunk, proposals included."""
+    scheduler = _scheduler(max_in_flight_steps=2, max_num_batched_tokens=5)
+    request = _request("a", [5, 6, 7, 5, 6, 7])  # two chunks: 5 tokens, then 1
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert first.scheduled[0].token_ids == (5, 6, 7, 5, 6) and not first.scheduled[0].sample
+    second = scheduler.schedule()
+    (last,) = second.scheduled
+    assert last.start_position == 5 and last.token_ids[0] == 7 and last.num_draft_tokens > 0
+    scheduler.update(first, ModelRunnerOutput((), ()))
+    scheduler.update(second, ModelRunnerOutput(("a",), (9,), num_accepted_drafts=(1,)))
+    assert request.num_computed_tokens == 7 and request.output_token_ids == [last.token_ids[1], 9]

@@ -84,13 +84,11 @@ def test_greedy_parity_with_speculation_under_preemption(model_dirs, references)
 
 # (prefix caching, async loop): the default run takes one, -m slow all four. The compiled graphs
 # are test_prefix_caching_engine.py's (same options), so in a full run they come from its cache.
-# With the async loop speculation is off for now (Scheduler._speculating): those modes check that
-# the engine still matches and proposes nothing.
 SPEC_MODES = [
     pytest.param((False, False), marks=pytest.mark.slow),
-    (True, False),
+    pytest.param((True, False), marks=pytest.mark.slow),
     pytest.param((False, True), marks=pytest.mark.slow),
-    pytest.param((True, True), marks=pytest.mark.slow),
+    (True, True),
 ]
 
 
@@ -116,8 +114,8 @@ def plain_engine(llama_dir):
 
 @pytest.fixture(scope="module")
 def spec_engine(llama_dir):
-    """Speculation with prefix caching: the default run's engine under test."""
-    options = dict(enable_prefix_caching=True, async_scheduling=False, speculative_config=ngram(3))
+    """Speculation with prefix caching and the async loop: the default run's engine under test."""
+    options = dict(enable_prefix_caching=True, async_scheduling=True, speculative_config=ngram(3))
     return LLM(llama_dir, **options, **ENGINE_OPTIONS)
 
 
@@ -138,7 +136,7 @@ def baseline(plain_engine):
 @pytest.mark.parametrize("mode", SPEC_MODES)
 def test_greedy_outputs_match_without_speculation_under_kv_pressure(mode, llama_dir, baseline, request):
     caching, async_ = mode
-    if mode == (True, False):
+    if mode == (True, True):
         llm = request.getfixturevalue("spec_engine")
     else:
         llm = LLM(
@@ -150,11 +148,7 @@ def test_greedy_outputs_match_without_speculation_under_kv_pressure(mode, llama_
         )
     assert _run(llm, _workload(60)) == baseline(60)
     assert llm.stats().num_preemptions > 0, "the workload was meant to force preemption"
-    if async_:
-        assert llm.stats().num_spec_steps == 0  # off with the async loop, for now
-        assert llm.stats().num_free_kv_blocks == llm.stats().num_kv_blocks
-    else:
-        _assert_spec_ran_and_nothing_leaked(llm)
+    _assert_spec_ran_and_nothing_leaked(llm)
 
 
 @pytest.mark.slow
@@ -162,8 +156,7 @@ def test_200_randomised_requests_match_in_both_loops(llama_dir, baseline):
     for async_ in (False, True):
         llm = LLM(llama_dir, async_scheduling=async_, speculative_config=ngram(5), **ENGINE_OPTIONS)
         assert _run(llm, _workload(200)) == baseline(200), f"async_scheduling={async_}"
-        if not async_:  # off with the async loop, for now
-            _assert_spec_ran_and_nothing_leaked(llm)
+        _assert_spec_ran_and_nothing_leaked(llm)
 
 
 # --- what each request asks for, inside accepted runs ------------------------------------------

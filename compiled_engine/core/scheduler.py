@@ -242,7 +242,7 @@ class Scheduler:
                 else:
                     drafts = ()
             if drafts:
-                scheduled.append(self._speculative_request(request, drafts))
+                scheduled.append(self._speculative_request(request, start, drafts))
             elif not allocate_slots(request.request_id, start + num_new_tokens):
                 if self._in_flight:
                     return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
@@ -390,16 +390,9 @@ class Scheduler:
         """Whether this step proposes tokens at all: speculation is on and few enough requests run
         for verifying extra tokens to pay (`disable_by_batch_size`).
 
-        Not with steps in flight (the async loop) for now: the randomised test under KV pressure
-        (tests/test_speculative_engine.py, async modes, -m slow) found greedy outputs that differ
-        from the engine's without speculation there, not yet explained; the synchronous loop
-        matches. The waiting rules for steps in flight below stay, for when it is turned back on."""
+        """
         spec = self._config.speculative
-        return (
-            spec is not None
-            and self._config.max_in_flight_steps == 1
-            and len(self._running) <= spec.disable_by_batch_size
-        )
+        return spec is not None and len(self._running) <= spec.disable_by_batch_size
 
     @staticmethod
     def _can_speculate(request: Request) -> bool:
@@ -432,15 +425,16 @@ class Scheduler:
         tokens = np.concatenate((history.prompt_array, outputs)) if len(outputs) else history.prompt_array
         return proposer.propose(tokens, room)
 
-    def _speculative_request(self, request: Request, drafts: tuple[int, ...]) -> ScheduledRequest:
-        """A decoding request's step with proposals: its newest token, then them."""
+    def _speculative_request(self, request: Request, start: int, drafts: tuple[int, ...]) -> ScheduledRequest:
+        """A step with proposals: the request's newest token (at `start`, past what steps in flight
+        compute: the last chunk of a prompt may follow one still in flight), then them."""
         history = request.history
         outputs = history.output_token_ids
         newest = outputs[-1] if outputs else history.prompt_token_ids[-1]
         return ScheduledRequest(
             request.request_id,
             (newest, *drafts),
-            request.num_computed_tokens,
+            start,
             self._kv_cache_manager.get_block_ids(request.request_id),
             True,
             request.sampling_params,
