@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_engine.speculative_config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -37,3 +39,4 @@ class EngineConfig:
     enable_prefix_caching: bool
     long_prefill_token_threshold: int  # 0: a prefill takes up to the step budget
     tensor_parallel_size: int
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off

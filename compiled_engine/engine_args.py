@@ -22,6 +22,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from compiled_engine.speculative_config import SpeculativeConfig, parse_speculative_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -77,6 +79,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _speculative_json(text: str) -> SpeculativeConfig | None:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -170,6 +179,14 @@ class EngineArgs:
         "prepare the next step while the current one runs (auto: on for CUDA, off for CPU)",
         choices={"auto": None, "on": True, "off": False},
     )
+    # A dict as vLLM takes it (or its JSON text); kept as the checked record.
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        "speculative decoding as JSON, vLLM's shape: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5, "disable_by_batch_size": 2}\' (docs/speculative_decoding.md)',
+        parse=_speculative_json,
+    )
 
     def __post_init__(self) -> None:
         # Frozen and picklable as given: paths and devices as strings, lists as tuples.
@@ -179,6 +196,7 @@ class EngineArgs:
             object.__setattr__(self, "device", str(self.device))  # a torch.device
         if self.compile_buckets is not None and not isinstance(self.compile_buckets, tuple):
             object.__setattr__(self, "compile_buckets", tuple(self.compile_buckets))
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
@@ -298,6 +316,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             tensor_parallel_size=self.tensor_parallel_size,
+            speculative=self.speculative_config,
         )
 
     def _resolve_compile_policy(self, device: torch.device) -> str:

@@ -25,6 +25,7 @@ PROCESS_SUITES = (
     "bench/test_step_timeline.py",
     "bench/test_serving.py",
     "bench/test_structured_outputs.py",
+    "bench/test_speculative.py",
 )
 
 
@@ -54,8 +55,8 @@ def test_process_bench_suites_run_at_smoke_sizes(tmp_path):
     # Start-up cold and warm for ours and HF, and ours' cold start with the background compile
     # policy; the step timeline, sync and async loop (ours only); the serving suite's burst and
     # steady loads on our eager server (its fresh-cache and vLLM rows skip); structured outputs,
-    # none and half JSON.
-    assert "11 passed" in stdout, stdout[-2000:]
+    # none and half JSON; speculative decoding, none and ngram at 1 request and at a batch.
+    assert "15 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -158,6 +158,9 @@ class EngineCore(Generic[LaunchedT]):
         logprobs = None
         if runner_output.logprobs is not None:
             logprobs = dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))
+        # Speculative decoding: a row that emitted a run has a record per token of it; the update
+        # may have cut the run at a stop, so only the first len(new_token_ids) are attached.
+        run_logprobs = runner_output.draft_logprobs or {}
         if logprobs is None and not self._prompt_logprobs:  # most steps: nothing to attach
             for out in outputs:
                 record_outputs(out.request_id, out.new_token_ids)
@@ -169,7 +172,10 @@ class EngineCore(Generic[LaunchedT]):
         for out in outputs:
             record_outputs(out.request_id, out.new_token_ids)
             token_logprobs = logprobs.get(out.request_id) if logprobs is not None else None
-            if token_logprobs is not None:
+            run = run_logprobs.get(out.request_id)
+            if run is not None:
+                out = out._replace(new_logprobs=run[: len(out.new_token_ids)])
+            elif token_logprobs is not None:
                 out = out._replace(new_logprobs=(token_logprobs,))
             if out.request_id in self._prompt_logprobs:
                 out = out._replace(prompt_logprobs=self._complete_prompt_logprobs(out.request_id))

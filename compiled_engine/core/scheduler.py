@@ -45,6 +45,19 @@ Prefix caching (`enable_prefix_caching`, core/kv_cache_manager.py):
   or by a request scheduled earlier in this step, e.g. the first of n samples of one prompt)
   waits, FCFS, until that step is updated, and then shares the block instead of computing it
   again. Sharing within one step would mean reading a block registered before it is computed.
+
+Speculative decoding (`speculative`, docs/speculative_decoding.md), while at most
+`disable_by_batch_size` requests run:
+- a decoding request that can speculate (no grammar, penalties, logit_bias or pending
+  min_tokens) gets up to k proposed tokens (core/ngram_proposer.py) after its newest token, in one
+  step: fewer if the budget, max_tokens or max_model_len leave no room, none if blocks for
+  them are short (proposals never preempt anyone);
+- its proposals need its newest token, so with a step in flight sampling for it, it waits;
+- `update()` appends the accepted proposals and the sampled token one by one, with the stop checks
+  after each (nothing after a stop is emitted), and counts only the accepted tokens as computed:
+  the rejected ones' slots are rolled back, overwritten by the next tokens. Their lookahead blocks
+  stay with the request (a block list only grows while its request runs, which the runner's
+  block tables rely on) and are freed with the rest when it ends or is preempted.
 """
 
 from __future__ import annotations
@@ -53,7 +66,10 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from compiled_engine.core.kv_cache_manager import KVCacheManager, token_range
+from compiled_engine.core.ngram_proposer import NgramProposer
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.records.engine_core_output import EngineCoreOutput
@@ -96,6 +112,15 @@ class Scheduler:
         # Prefix cache: known tokens of admitted requests, and how many of those came from the cache.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
+        # Speculative decoding: the proposer (None: off), and over the scheduler's life the
+        # request-steps that verified proposals, the proposals, and the accepted ones.
+        spec = config.speculative
+        self._proposer = (
+            None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        )
+        self.num_spec_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     @property
     def config(self) -> SchedulerConfig:
@@ -156,6 +181,7 @@ class Scheduler:
         for scheduled, request in zip(step.output.scheduled, step.ordered, strict=True):
             request.num_in_flight_tokens -= len(scheduled.token_ids)
             request.num_pending_outputs -= scheduled.sample
+            request.has_proposals_in_flight = False  # a step with proposals has no other in flight
         self._forget_computing(step)
         self._release_after_in_flight(step.deferred_blocks)
 
@@ -182,6 +208,7 @@ class Scheduler:
         caching = self._config.enable_prefix_caching
         block_size = self._config.block_size
         running = self._running
+        speculating = self._speculating()
 
         index = 0
         while index < len(running) and budget > 0:
@@ -193,6 +220,12 @@ class Scheduler:
             if pending and request.grammar is not None:
                 index += 1  # its next grammar mask needs the token a step in flight is sampling
                 continue
+            can_speculate = speculating and self._can_speculate(request)
+            if pending and (can_speculate or request.has_proposals_in_flight):
+                # Its proposals need the token a step in flight is sampling; or that step verifies
+                # proposals, and how many tokens it keeps is not known yet.
+                index += 1
+                continue
             start = request.num_computed_tokens + request.num_in_flight_tokens
             num_new_tokens = min(request.history.num_tokens + pending - start, budget, prefill_cap)
             if num_new_tokens <= 0:
@@ -200,12 +233,24 @@ class Scheduler:
                     f"running request {request.request_id!r} has no token to compute; "
                     "update() was not applied to its last step"
                 )
-            if not allocate_slots(request.request_id, start + num_new_tokens):
+            drafts: tuple[int, ...] = ()
+            if can_speculate and start == request.history.num_tokens - 1:
+                drafts = self._propose(request, budget)
+                # Lookahead blocks only from free ones: proposals never preempt anyone.
+                if drafts and allocate_slots(request.request_id, start + 1 + len(drafts)):
+                    num_new_tokens = 1 + len(drafts)
+                else:
+                    drafts = ()
+            if drafts:
+                scheduled.append(self._speculative_request(request, start, drafts))
+            elif not allocate_slots(request.request_id, start + num_new_tokens):
                 if self._in_flight:
                     return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
-            scheduled.append(self._scheduled_request(request, num_new_tokens))
+                scheduled.append(self._scheduled_request(request, num_new_tokens))
+            else:
+                scheduled.append(self._scheduled_request(request, num_new_tokens))
             scheduled_requests.append(request)
             if caching and (start + num_new_tokens) // block_size > start // block_size:
                 computing += self._completed_block_hashes(request, num_new_tokens)
@@ -252,6 +297,8 @@ class Scheduler:
             for s, request in zip(scheduled, scheduled_requests, strict=True):
                 request.num_in_flight_tokens += len(s.token_ids)
                 request.num_pending_outputs += s.sample
+                if s.num_draft_tokens:
+                    request.has_proposals_in_flight = True
             requests = {r.request_id: r for r in scheduled_requests}
             self._in_flight.append(
                 _InFlightStep(output, requests, scheduled_requests, computing_block_hashes=computing)
@@ -285,6 +332,11 @@ class Scheduler:
         self._in_flight.popleft()
         # The runner's tokens are in the order of the sampling rows (checked above).
         sampled_tokens = iter(runner_output.sampled_token_ids)
+        accepted_counts = None
+        if runner_output.num_accepted_drafts is not None:
+            accepted_counts = iter(runner_output.num_accepted_drafts)
+        elif self._proposer is not None and any(s.num_draft_tokens for s in scheduler_output.scheduled):
+            raise ValueError("the step verified proposals but the runner output has no num_accepted_drafts")
         cache_computed_blocks = self._kv_cache_manager.cache_computed_blocks
         caching = self._config.enable_prefix_caching
 
@@ -296,9 +348,21 @@ class Scheduler:
             request.num_in_flight_tokens -= num_tokens
             request.num_pending_outputs -= sample
             token_id = next(sampled_tokens) if sample else None
+            num_accepted = 0
+            verified = False  # the row had proposals (only in a step whose output counts them)
+            if accepted_counts is not None and sample:
+                num_accepted = next(accepted_counts)
+                verified = scheduled_request.num_draft_tokens > 0
+                request.has_proposals_in_flight = False
             current = request.status
             if current is not RUNNING and current in FINISHED_STATUSES:
-                self.num_discarded_tokens += sample
+                self.num_discarded_tokens += sample + num_accepted
+                continue
+            if verified:
+                assert token_id is not None  # a row with proposals always samples
+                out = self._update_speculative(request, scheduled_request, token_id, num_accepted)
+                finished_any = finished_any or out.finished
+                outputs.append(out)
                 continue
             request.num_computed_tokens += num_tokens
             if caching:
@@ -321,6 +385,92 @@ class Scheduler:
         if finished_any:
             self._running = [r for r in self._running if not r.status.finished]
         return outputs
+
+    def _speculating(self) -> bool:
+        """Whether this step proposes tokens at all: speculation is on and few enough requests run
+        for verifying extra tokens to pay (`disable_by_batch_size`).
+
+        """
+        spec = self._config.speculative
+        return spec is not None and len(self._running) <= spec.disable_by_batch_size
+
+    @staticmethod
+    def _can_speculate(request: Request) -> bool:
+        """Whether a request's next tokens can be verified in a run: its sampling distribution must
+        not depend on the tokens before it in the run — which penalties, a pending min_tokens and a
+        grammar do (logit_bias is left to the plain path too: the verifier applies none)."""
+        params = request.sampling_params
+        return (
+            request.grammar is None
+            and not params.has_penalties
+            and not params.logit_bias
+            and len(request.history.output_token_ids) + request.num_pending_outputs >= params.min_tokens
+        )
+
+    def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Proposed tokens after the request's newest one, as many as k, the step's budget, its
+        max_tokens and max_model_len allow (the token verified after them is emitted too)."""
+        spec, proposer = self._config.speculative, self._proposer
+        assert spec is not None and proposer is not None
+        history = request.history
+        room = min(
+            spec.num_speculative_tokens,
+            budget - 1,
+            request.sampling_params.max_tokens - len(history.output_token_ids) - 1,
+            self._config.max_model_len - history.num_tokens - 1,
+        )
+        if room < 1:
+            return ()
+        outputs = np.asarray(history.output_token_ids, dtype=np.int64)
+        tokens = np.concatenate((history.prompt_array, outputs)) if len(outputs) else history.prompt_array
+        return proposer.propose(tokens, room)
+
+    def _speculative_request(self, request: Request, start: int, drafts: tuple[int, ...]) -> ScheduledRequest:
+        """A step with proposals: the request's newest token (at `start`, past what steps in flight
+        compute: the last chunk of a prompt may follow one still in flight), then them."""
+        history = request.history
+        outputs = history.output_token_ids
+        newest = outputs[-1] if outputs else history.prompt_token_ids[-1]
+        return ScheduledRequest(
+            request.request_id,
+            (newest, *drafts),
+            start,
+            self._kv_cache_manager.get_block_ids(request.request_id),
+            True,
+            request.sampling_params,
+            len(outputs),
+            None,
+            len(drafts),
+        )
+
+    def _update_speculative(
+        self, request: Request, scheduled: ScheduledRequest, token_id: int, num_accepted: int
+    ) -> EngineCoreOutput:
+        """Apply a verified run: the accepted proposals and the sampled token, stop-checked one by
+        one (what follows a stop is dropped)."""
+        num_drafts = scheduled.num_draft_tokens
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_draft_tokens += num_accepted
+        # The newest token and the accepted proposals are in the cache now; the rejected ones'
+        # slots hold k/v that the next tokens overwrite.
+        request.num_computed_tokens += 1 + num_accepted
+        emitted: list[int] = []
+        for token in (*scheduled.token_ids[1 : 1 + num_accepted], token_id):
+            request.history.append(token)
+            emitted.append(token)
+            status, stop_reason = self._stop_status(request, token)
+            if status is not None:
+                request.stop_reason = stop_reason
+                self._finish(request, status)
+                return EngineCoreOutput(
+                    request.request_id, tuple(emitted), True, status.finish_reason, stop_reason
+                )
+        # The lookahead blocks stay with the request (lists only grow, so the runner's block
+        # tables stay valid): its next tokens fill them, and they go back with all its blocks.
+        if self._config.enable_prefix_caching:
+            self._kv_cache_manager.cache_computed_blocks(request)
+        return EngineCoreOutput(request.request_id, tuple(emitted), False, None, None)
 
     def _next_admissible(self) -> Request | None:
         """The first waiting request that can start: any whose grammar (structured outputs) is

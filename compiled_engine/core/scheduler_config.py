@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compiled_engine.speculative_config import SpeculativeConfig
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -27,6 +29,9 @@ class SchedulerConfig:
     # of this name: a long prompt then takes several short chunks, so the steps it shares with
     # decoding requests stay short (lower tail inter-token latency, longer time to first token).
     long_prefill_token_threshold: int = 0
+    # Speculative decoding (None: off): decoding requests get proposed tokens to verify, within
+    # the token budget, while at most `disable_by_batch_size` requests run.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,6 +53,10 @@ class SchedulerConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"SchedulerConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(
+                f"SchedulerConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}"
             )
 
     @property

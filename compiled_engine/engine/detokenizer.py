@@ -107,6 +107,10 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def append(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
         """Add generated tokens; return the text that can now be shown (possibly "").
 

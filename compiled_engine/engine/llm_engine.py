@@ -200,6 +200,7 @@ class LLMEngine:
                 max_in_flight_steps=2 if config.async_scheduling else 1,
                 enable_prefix_caching=config.enable_prefix_caching,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                speculative=config.speculative,
             )
         )
         # This rank's runner itself, for tools that read its graphs (`compiled-engine warmup`).
@@ -260,6 +261,10 @@ class LLMEngine:
             graphs=self.model_runner.step_graph.status(),
             graph_waits=tuple(runner.graph_waits),
             num_fallback_steps=runner.num_fallback_steps,
+            speculative=scheduler.config.speculative is not None,
+            num_spec_steps=scheduler.num_spec_steps,
+            num_draft_tokens=scheduler.num_draft_tokens,
+            num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
         )
 
     def num_free_kv_blocks(self) -> int:

@@ -185,9 +185,22 @@ class OutputProcessor:
     def _update(self, state: _RequestState, out: EngineCoreOutput, stopped: list[str]) -> CompletionOutput:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         detokenizer = state.detokenizer
+        # Tokens of this update past a stop string (speculative decoding emits several per step):
+        # the history holds them, the output does not.
+        num_cut = 0
         if detokenizer is not None and (out.new_token_ids or out.finished):
-            # finished=True releases text held back while it could still start a stop string.
-            delta = detokenizer.append(out.new_token_ids, finished=out.finished)
+            new_token_ids = out.new_token_ids
+            if len(new_token_ids) > 1 and detokenizer.has_stop_strings:
+                delta = ""
+                for taken, token_id in enumerate(new_token_ids, 1):
+                    last = taken == len(new_token_ids)
+                    delta += detokenizer.append((token_id,), finished=out.finished and last)
+                    if detokenizer.stop_reason is not None:
+                        num_cut = len(new_token_ids) - taken
+                        break
+            else:
+                # finished=True releases text held back while it could still start a stop string.
+                delta = detokenizer.append(new_token_ids, finished=out.finished)
             if delta:
                 state.text += delta
             if detokenizer.stop_reason is not None:
@@ -199,18 +212,20 @@ class OutputProcessor:
         if state.logprobs is not None and out.new_logprobs is not None:
             # _new_state sets both together when the request asks for logprobs.
             assert state.cumulative_logprob is not None
-            for record in out.new_logprobs:
+            for record in out.new_logprobs[: len(out.new_logprobs) - num_cut]:
                 state.logprobs.append(self._logprob_dict(record))
                 state.cumulative_logprob += record.logprob
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [
                 None if r is None else self._logprob_dict(r) for r in out.prompt_logprobs
             ]
+        outputs = state.history.output_token_ids
         return _build(
             CompletionOutput,
             index=state.index,
             text=state.text,
-            token_ids=tuple(state.history.output_token_ids),  # a snapshot: the output is immutable
+            # A snapshot: the output is immutable.
+            token_ids=tuple(outputs[: len(outputs) - num_cut] if num_cut else outputs),
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,

@@ -40,6 +40,25 @@ class EngineStats:
     graphs: GraphStatus = field(default_factory=GraphStatus)
     graph_waits: tuple[GraphWait, ...] = ()
     num_fallback_steps: int = 0
+    # Speculative decoding (docs/speculative_decoding.md), over the engine's life: request-steps
+    # that verified proposals, the proposed tokens, and the accepted ones.
+    speculative: bool = False
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of proposed tokens the target kept (0.0 before any proposal)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a request emits per step with proposals: the kept ones plus the target's own
+        (1.0 would be no gain; 0.0 before any such step)."""
+        if not self.num_spec_steps:
+            return 0.0
+        return (self.num_accepted_draft_tokens + self.num_spec_steps) / self.num_spec_steps
 
     @property
     def longest_graph_wait_s(self) -> float:

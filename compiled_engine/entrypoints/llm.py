@@ -69,7 +69,9 @@ class LLM:
         after preemption) reuse them instead of computing them again (core/kv_cache_manager.py;
         `stats()` reports the hit rate); `tensor_parallel_size` shards the model over that many
         ranks, this process and N-1 worker processes it starts (compiled_engine/distributed/;
-        `close()` or collecting the LLM stops them)."""
+        `close()` or collecting the LLM stops them); `speculative_config={"method": "ngram",
+        "num_speculative_tokens": k, ...}` verifies up to k prompt-lookup proposals per request and
+        step (docs/speculative_decoding.md; `stats()` reports the acceptance)."""
         unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
         if unknown:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")

@@ -132,6 +132,9 @@ class Request:
     # that samples for the request owes it one output token not known on the host yet.
     num_in_flight_tokens: int = 0
     num_pending_outputs: int = 0
+    # Speculative decoding: a step in flight verifies proposals for it, so how many tokens it
+    # will have (and where its cache ends) is unknown until that step is updated.
+    has_proposals_in_flight: bool = False
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

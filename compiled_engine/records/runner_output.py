@@ -32,3 +32,10 @@ class ModelRunnerOutput(NamedTuple):
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
     # Per request with prompt_logprobs whose prompt this step computed (a chunk of it).
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    # Speculative decoding, aligned with request_ids: how many of each row's proposed tokens were
+    # accepted (0 for rows without proposals); its sampled token comes after them. None: no row
+    # of the step had proposals.
+    num_accepted_drafts: tuple[int, ...] | None = None
+    # Rows with proposals that asked for logprobs: one record per token the row emits (its
+    # accepted proposals, then its sampled token), in order.
+    draft_logprobs: dict[str, tuple[TokenLogprobs, ...]] | None = None

@@ -30,6 +30,9 @@ class ScheduledRequest(NamedTuple):
     # Structured outputs: the tokens its grammar allows next, packed (structured_output/); None
     # when the row is unconstrained or does not sample.
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the last this many of token_ids are proposed tokens, not known ones;
+    # the step verifies them (docs/speculative_decoding.md). 0: a plain step.
+    num_draft_tokens: int = 0
 
 
 class SchedulerOutput(NamedTuple):

@@ -19,6 +19,7 @@ from compiled_engine.graphs.background_builds import CompilerProcess
 from compiled_engine.graphs.compile_cache import CompileCache, usable_compile_cache, use_inductor_cache_in
 from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.step_graph import StepGraph, build_step_graph
+from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.graphs.traced_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS
 from compiled_engine.kernels.backends import resolve_attention_backend
 from compiled_engine.records.request import TokenHistory
@@ -30,7 +31,8 @@ from compiled_engine.structured_output.logits_mask import GrammarMasks
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.persistent_batch import PersistentBatch
-from compiled_engine.worker.sampler import Sampler, token_logprobs
+from compiled_engine.worker.sampler import Sampler, SamplingTensors, token_logprobs
+from compiled_engine.worker.spec_verifier import accepted_prefix, verify_proposals
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 from compiled_engine.worker.step_buffers import LogprobResults
 
@@ -45,6 +47,19 @@ def seeded_generator(seed: int, num_output_tokens: int, device: torch.device) ->
     """
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + num_output_tokens) % (1 << 63))
+    return gen
+
+
+# Speculative decoding: a seeded row's proposal rows draw from a stream of their own, so their
+# acceptance draws never repeat the noise its sampling row draws from `seeded_generator`.
+_PROPOSAL_STREAM = 0x5DEECE66DA5A5A5
+
+
+def proposal_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
+    """The generator a seeded request's proposal rows use, as `seeded_generator` a function of
+    the seed and the tokens generated so far only."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(((seed * 1_000_003 + num_output_tokens) ^ _PROPOSAL_STREAM) % (1 << 63))
     return gen
 
 
@@ -269,6 +284,7 @@ class ModelRunner:
                 for i, row in enumerate(staged.sampled_rows)
             )
         grammar_masks = GrammarMasks.of_rows([scheduled[row].grammar_bitmask for row in staged.sampled_rows])
+        proposal_generators = self._proposal_generators(scheduled, staged)
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
         step_number = self.timeline.num_steps
@@ -292,6 +308,8 @@ class ModelRunner:
                 if staged.num_top_logprobs is not None:
                     results = token_logprobs(sample_logits, samples.tokens, staged.num_top_logprobs)
                     _copy_logprobs(slot.buffers.sample_logprobs, results)
+                if staged.num_proposal_rows:
+                    self._verify_proposals(logits, inputs, staged, slot, tensors, proposal_generators)
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows
                 targets = self.buffers.prompt_logprob_targets(e)
@@ -317,6 +335,52 @@ class ModelRunner:
         self._in_flight.append(launched)
         return launched
 
+    def _proposal_generators(
+        self, scheduled: tuple[ScheduledRequest, ...], staged: StagedStep
+    ) -> tuple[torch.Generator | None, ...]:
+        """Per proposal row: its request's proposal generator when it is seeded and samples, else
+        None (the engine-wide stream). Empty when no row samples with proposals."""
+        if staged.proposals_all_greedy:
+            return ()
+        generators: list[torch.Generator | None] = []
+        for row, count in zip(staged.spec_rows, staged.num_proposed, strict=True):
+            request = scheduled[staged.sampled_rows[row]]
+            params = request.sampling_params
+            gen = None
+            if not params.greedy and params.seed is not None:
+                gen = proposal_generator(params.seed, request.num_output_tokens, self.device)
+            generators += [gen] * count  # one generator per request: its rows draw in turn
+        return tuple(generators)
+
+    def _verify_proposals(
+        self,
+        logits: torch.Tensor,
+        inputs: StepInputs,
+        staged: StagedStep,
+        slot: StagingSlot,
+        tensors: SamplingTensors,
+        generators: tuple[torch.Generator | None, ...],
+    ) -> None:
+        """Speculative decoding: decide which proposals the target keeps (worker/spec_verifier.py)
+        and queue the results' copy to the slot; `collect` turns them into tokens."""
+        first = staged.num_sampled + staged.num_prompt_logprob_rows
+        d = staged.num_proposal_rows
+        proposal_logits = logits[first : first + d]
+        # Row i's proposal is the token fed right after it (the step's input, already on the device).
+        proposed = inputs.input_ids[0].index_select(0, inputs.logits_indices[first : first + d] + 1)
+        params = None
+        if not staged.proposals_all_greedy:
+            rows = torch.tensor(staged.proposal_sample_rows, dtype=torch.int64, device=logits.device)
+            params = tensors.select_rows(rows, generators)
+        accepted, recovered = verify_proposals(proposal_logits, proposed, params)
+        slot.buffers.proposal_accepted[:d].copy_(accepted, non_blocking=True)
+        slot.buffers.proposal_recovered[:d].copy_(recovered, non_blocking=True)
+        if staged.num_top_logprobs is not None:
+            # Each row's emitted token: its proposal while kept, the drawn one at the first rejection.
+            emitted = torch.where(accepted, proposed, recovered)
+            results = token_logprobs(proposal_logits, emitted, staged.num_top_logprobs)
+            _copy_logprobs(slot.buffers.proposal_logprobs, results)
+
     def _generator_for(self, request: ScheduledRequest) -> torch.Generator | None:
         """A seeded sampling row's own generator; None for greedy rows and for the shared stream."""
         params = request.sampling_params
@@ -334,11 +398,19 @@ class ModelRunner:
         self._in_flight.popleft()
         num_sampled = len(launched.sampled_request_ids)
         tokens = launched.slot.buffers.sampled_tokens[:num_sampled].tolist() if num_sampled else []
+        logprobs = _sample_logprobs(launched.slot, launched.staged, tokens)
+        num_accepted = draft_logprobs = None
+        if launched.staged.num_proposal_rows:
+            num_accepted, draft_logprobs = _apply_verification(
+                launched.slot, launched.staged, launched.sampled_request_ids, tokens, logprobs
+            )
         return ModelRunnerOutput(
             request_ids=launched.sampled_request_ids,
             sampled_token_ids=tuple(tokens),
-            logprobs=_sample_logprobs(launched.slot, launched.staged, tokens),
+            logprobs=logprobs,
             prompt_logprobs=_prompt_logprobs(launched.slot, launched.staged),
+            num_accepted_drafts=num_accepted,
+            draft_logprobs=draft_logprobs,
         )
 
     def blocks_in_flight(self) -> frozenset[int]:
@@ -394,6 +466,43 @@ def _sample_logprobs(
     return tuple(
         record if n is not None else None for record, n in zip(records, staged.logprobs, strict=True)
     )
+
+
+def _apply_verification(
+    slot: StagingSlot,
+    staged: StagedStep,
+    request_ids: tuple[str, ...],
+    tokens: list[int],
+    logprobs: tuple[TokenLogprobs | None, ...] | None,
+) -> tuple[tuple[int, ...], dict[str, tuple[TokenLogprobs, ...]] | None]:
+    """Read a step's verification: per sampling row the proposals kept; a row whose proposal was
+    rejected emits the token drawn there instead of its sampling row's (`tokens` is updated in
+    place). With logprobs: per row with proposals, a record for every token it emits."""
+    d = staged.num_proposal_rows
+    accepted = slot.buffers.proposal_accepted[:d].tolist()
+    recovered = slot.buffers.proposal_recovered[:d].tolist()
+    records = None
+    if staged.num_top_logprobs is not None:
+        emitted = [
+            t if kept else r
+            for t, kept, r in zip(staged.proposed_token_ids, accepted, recovered, strict=True)
+        ]
+        keep = [staged.logprobs[row] or 0 for row in staged.proposal_sample_rows]
+        records = _read_logprobs(slot.buffers.proposal_logprobs, d, staged.num_top_logprobs, emitted, keep)
+    num_accepted = [0] * len(tokens)
+    run_logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
+    start = 0
+    for row, count in zip(staged.spec_rows, staged.num_proposed, strict=True):
+        kept = accepted_prefix(accepted, start, count)
+        num_accepted[row] = kept
+        last = logprobs[row] if logprobs is not None else None
+        if kept < count:
+            tokens[row] = recovered[start + kept]
+            last = records[start + kept] if records is not None else None
+        if records is not None and last is not None and staged.logprobs[row] is not None:
+            run_logprobs[request_ids[row]] = (*records[start : start + kept], last)
+        start += count
+    return tuple(num_accepted), run_logprobs or None
 
 
 def _prompt_logprobs(slot: StagingSlot, staged: StagedStep) -> dict[str, PromptLogprobs] | None:

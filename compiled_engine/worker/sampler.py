@@ -80,6 +80,25 @@ class SamplingTensors:
     def num_rows(self) -> int:
         return len(self.generators)
 
+    def select_rows(
+        self, rows: torch.Tensor, generators: tuple[torch.Generator | None, ...]
+    ) -> SamplingTensors:
+        """These settings for other rows: row i takes row `rows[i]`'s temperature, min_p, top-k and
+        top-p and the generator `generators[i]` (speculative decoding's proposal rows). Bias,
+        min_tokens and penalties are not carried over: rows with them never have proposals."""
+        return SamplingTensors(
+            temperature=self.temperature.index_select(0, rows),
+            top_k=self.top_k.index_select(0, rows),
+            top_p=self.top_p.index_select(0, rows),
+            greedy=self.greedy.index_select(0, rows),
+            generators=generators,
+            default_generator=self.default_generator,
+            all_greedy=self.all_greedy,
+            needs_top_k=self.needs_top_k,
+            needs_top_p=self.needs_top_p,
+            min_p=None if self.min_p is None else self.min_p.index_select(0, rows),
+        )
+
     @property
     def changes_logits(self) -> bool:
         """Whether bias, min_tokens or penalties change the logits (so even greedy rows need them)."""
@@ -284,21 +303,26 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if params.all_greedy:
             return greedy_tokens
-
-        # Subtract the row max before dividing: (x - max) / t stays <= 0, so a tiny temperature
-        # sends the losers to -inf instead of overflowing to inf - inf = NaN.
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature[:, None]
-        if params.min_p is not None:
-            # prob_i >= min_p * prob_max  <=>  scaled_i >= log(min_p), as scaled_max == 0.
-            # (min_p = 0 gives log 0 = -inf: nothing is dropped.)
-            scaled = scaled.masked_fill(scaled < params.min_p.log()[:, None], float("-inf"))
-        if params.needs_top_k or params.needs_top_p:
-            scaled = _apply_top_k_top_p(scaled, params)
-        probs = scaled.softmax(dim=-1)
-
-        noise = _exponential_noise(probs.shape, probs.device, params)
+        probs = target_probs(logits, params)
+        noise = exponential_noise(probs.shape, probs.device, params)
         sampled_tokens = (probs / noise).argmax(dim=-1)
         return torch.where(params.greedy, greedy_tokens, sampled_tokens)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Stage 5: the distribution a sampled row draws from — float32 logits (after stages 1–3)
+    through temperature, min_p, top-k and top-p. Speculative decoding's verifier
+    (worker/spec_verifier.py) accepts proposals against the same distribution."""
+    # Subtract the row max before dividing: (x - max) / t stays <= 0, so a tiny temperature
+    # sends the losers to -inf instead of overflowing to inf - inf = NaN.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature[:, None]
+    if params.min_p is not None:
+        # prob_i >= min_p * prob_max  <=>  scaled_i >= log(min_p), as scaled_max == 0.
+        # (min_p = 0 gives log 0 = -inf: nothing is dropped.)
+        scaled = scaled.masked_fill(scaled < params.min_p.log()[:, None], float("-inf"))
+    if params.needs_top_k or params.needs_top_p:
+        scaled = _apply_top_k_top_p(scaled, params)
+    return scaled.softmax(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -370,10 +394,20 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params: SamplingTensors) -> torch.T
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
-def _exponential_noise(shape: torch.Size, device: torch.device, params: SamplingTensors) -> torch.Tensor:
+def exponential_noise(shape: torch.Size, device: torch.device, params: SamplingTensors) -> torch.Tensor:
+    """Exp(1) noise per row: from the row's own generator where it has one, else one shared draw."""
     noise = torch.empty(shape, device=device).exponential_(generator=params.default_generator)
     for row, gen in enumerate(params.generators):
         if gen is not None:
             noise[row] = torch.empty(shape[-1], device=device).exponential_(generator=gen)
     # An exact 0 would turn a masked token's 0 probability into 0/0 = NaN, which argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def uniform_noise(num_rows: int, device: torch.device, params: SamplingTensors) -> torch.Tensor:
+    """One U[0, 1) draw per row, from the row's own generator where it has one."""
+    noise = torch.rand(num_rows, device=device, generator=params.default_generator)
+    for row, gen in enumerate(params.generators):
+        if gen is not None:
+            noise[row] = torch.rand((), device=device, generator=gen)
+    return noise

@@ -89,6 +89,14 @@ class StagedStep:
     # Sampling rows (indices into sampled_rows) whose params need more than the batch's arrays
     # (a seed, penalties, ...): the only ones the runner looks at one by one.
     special_sampled: tuple[int, ...] = ()
+    # Speculative decoding: sampling rows (indices into sampled_rows) with proposals and how many
+    # each has; then per proposal row (logits rows after the prompt-logprobs rows, in that order)
+    # the sampling row it belongs to and the token it verifies.
+    spec_rows: tuple[int, ...] = ()
+    num_proposed: tuple[int, ...] = ()
+    proposal_sample_rows: tuple[int, ...] = ()
+    proposed_token_ids: tuple[int, ...] = ()
+    proposals_all_greedy: bool = True
 
     @property
     def num_sampled(self) -> int:
@@ -109,8 +117,12 @@ class StagedStep:
         return max((chunk.num_top for chunk in self.prompt_logprobs), default=0)
 
     @property
+    def num_proposal_rows(self) -> int:
+        return len(self.proposal_sample_rows)
+
+    @property
     def num_logits(self) -> int:
-        return self.num_sampled + self.num_prompt_logprob_rows
+        return self.num_sampled + self.num_prompt_logprob_rows + self.num_proposal_rows
 
 
 class _SpecialRows(NamedTuple):
@@ -123,6 +135,46 @@ class _SpecialRows(NamedTuple):
 
 
 _NO_SPECIAL_ROWS = _SpecialRows(HostSamplingArrays.build([]), [], [], ())
+
+
+class _ProposalRows(NamedTuple):
+    """Speculative decoding's rows of a step (see StagedStep)."""
+
+    logits_rows: np.ndarray  # token rows whose logits verify a proposal
+    spec_rows: tuple[int, ...]
+    num_proposed: tuple[int, ...]
+    sample_rows: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    all_greedy: bool
+
+
+_NO_PROPOSALS = _ProposalRows(np.zeros(0, dtype=np.int64), (), (), (), (), True)
+
+
+def _proposal_rows(
+    reqs: tuple[ScheduledRequest, ...],
+    draft_counts: tuple[int, ...],
+    query_start_loc: np.ndarray,
+    sampled_index: np.ndarray,
+    greedy: np.ndarray,
+) -> _ProposalRows:
+    """A request with k proposals feeds (newest token, d_1..d_k): its first k token rows' logits
+    verify d_1..d_k, its last row is its usual sampling row."""
+    counts = np.fromiter(draft_counts, dtype=np.int64, count=len(draft_counts))
+    seqs = counts.nonzero()[0]
+    num = counts[seqs]
+    spec_rows = np.searchsorted(sampled_index, seqs)  # a request with proposals always samples
+    firsts = np.repeat(query_start_loc[seqs], num)
+    offsets = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
+    token_ids = tuple(t for i in seqs.tolist() for t in reqs[i].token_ids[1:])
+    return _ProposalRows(
+        logits_rows=firsts + offsets,
+        spec_rows=tuple(spec_rows.tolist()),
+        num_proposed=tuple(num.tolist()),
+        sample_rows=tuple(np.repeat(spec_rows, num).tolist()),
+        token_ids=token_ids,
+        all_greedy=bool(greedy[spec_rows].all()),
+    )
 
 
 class StagingSlot:
@@ -162,7 +214,7 @@ class StagingSlot:
         num_seqs = len(reqs)
         rows = batch.update(step)
         # Columns of the records, transposed in C (one pass) rather than read field by field.
-        _, token_lists, start_positions, _, samples, *_ = zip(*reqs, strict=True)
+        _, token_lists, start_positions, _, samples, _, _, _, draft_counts = zip(*reqs, strict=True)
         q_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
         starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -219,6 +271,10 @@ class StagingSlot:
         logits_indices = query_start_loc[1:][sampled_index] - 1
         if len(prompt_rows):
             logits_indices = np.concatenate([logits_indices, prompt_rows])
+        proposals = _NO_PROPOSALS
+        if any(draft_counts):
+            proposals = _proposal_rows(reqs, draft_counts, query_start_loc, sampled_index, greedy)
+            logits_indices = np.concatenate([logits_indices, proposals.logits_rows])
 
         n, s, k, m = num_tokens, num_seqs, len(sampled_rows), len(placeholder_rows)
         b = self.host
@@ -280,6 +336,11 @@ class StagingSlot:
             logprobs=extra.logprobs,
             prompt_logprobs=prompt_chunks,
             special_sampled=tuple(special),
+            spec_rows=proposals.spec_rows,
+            num_proposed=proposals.num_proposed,
+            proposal_sample_rows=proposals.sample_rows,
+            proposed_token_ids=proposals.token_ids,
+            proposals_all_greedy=proposals.all_greedy,
         )
         self._size_results(staged)
         return staged
@@ -401,6 +462,8 @@ class StagingSlot:
         """Make room for the step's logprobs results (read back by collect before the next fill)."""
         if staged.num_top_logprobs is not None:
             self.buffers.sample_logprobs.size_for(staged.num_sampled, staged.num_top_logprobs)
+        if staged.num_proposal_rows and staged.num_top_logprobs is not None:
+            self.buffers.proposal_logprobs.size_for(staged.num_proposal_rows, staged.num_top_logprobs)
         if staged.num_prompt_logprob_rows:
             self.buffers.prompt_logprobs.size_for(
                 staged.num_prompt_logprob_rows, staged.num_top_prompt_logprobs

@@ -188,6 +188,11 @@ class StepBuffers:
     # --- results, device → host ------------------------------------------------------------------
     sampled_tokens: torch.Tensor = _fixed(torch.int64, _per_seq, host_only=True)  # [K]
     sample_logprobs: LogprobResults = _logprob_results()  # K rows, the step's largest logprobs=N
+    # Speculative decoding, per proposal row (<= T): kept or not, the token drawn if it is the
+    # first rejected one, and the logprobs of the token the row emits.
+    proposal_accepted: torch.Tensor = _fixed(torch.bool, _per_token, host_only=True)  # [D]
+    proposal_recovered: torch.Tensor = _fixed(torch.int64, _per_token, host_only=True)  # [D]
+    proposal_logprobs: LogprobResults = _logprob_results()
     prompt_logprobs: LogprobResults = _logprob_results()  # the prompt-logprobs rows
 
     @classmethod

@@ -3,7 +3,8 @@
 
 Two sources. Request timing arrives from the engine thread through AsyncLLM's stats-listener
 calls (prometheus_client's metrics are thread-safe). Engine state — running and waiting
-requests, KV cache usage, preemptions, prefix-cache hits when the engine reports them — is read
+requests, KV cache usage, preemptions, prefix-cache hits and speculative decoding's acceptance when
+the engine reports them — is read
 from `AsyncLLM.stats()` at scrape time by a custom collector, so it is never stale.
 Each app gets its own registry: several servers in one process (tests) do not collide.
 """
@@ -141,4 +142,24 @@ class _EngineStateCollector:
                 "prefix_cache_hit_rate",
                 "Share of looked-up prompt tokens found cached, over the engine's life.",
                 stats.prefix_cache_hit_rate,
+            )
+        if stats.speculative:  # an engine run without speculative decoding reports none
+            yield counter(
+                "spec_decode_num_drafts", "Request-steps that verified proposed tokens.", stats.num_spec_steps
+            )
+            yield counter("spec_decode_num_draft_tokens", "Proposed tokens verified.", stats.num_draft_tokens)
+            yield counter(
+                "spec_decode_num_accepted_tokens",
+                "Proposed tokens accepted.",
+                stats.num_accepted_draft_tokens,
+            )
+            yield gauge(
+                "spec_decode_acceptance_rate",
+                "Share of proposed tokens accepted, over the engine's life.",
+                stats.spec_acceptance_rate,
+            )
+            yield gauge(
+                "spec_decode_mean_accepted_length",
+                "Tokens emitted per request-step with proposals (accepted ones plus the target's own).",
+                stats.spec_mean_accepted_length,
             )

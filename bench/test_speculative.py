@@ -1,0 +1,94 @@
+"""Speculative decoding (#22): n-gram proposals against none, same run, the embedded model.
+
+    python -m pytest bench/test_speculative.py -q -p no:cacheprovider \
+        --benchmark-columns=median,min,rounds --benchmark-json=OUT.json
+
+Code completion: prompts from held-out stdlib files (bench/speculative.py), 128 greedy tokens each
+(`ignore_eos`: every request runs to 128, so both engines make the same tokens). "1 request": one
+prompt per round, a different one each round; "64 requests": all at once, where the batch-size
+cut-off (`disable_by_batch_size`) should leave speculation off, so no slower than none. Each row's
+extra_info has tokens/s and, for ngram, the acceptance rate and mean accepted length over its rounds.
+Targets (issue #22): ngram >= 1.5x none's tokens/s at 1 request; no slower at 64.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench.speculative import completion_prompts
+from compiled_engine import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# (prompt tokens, new tokens, rounds, batch size) per size profile; smoke runs each path once, eagerly.
+SIZES = {"full": (512, 128, 5, 64), "quick": (256, 64, 3, 32), "smoke": (64, 8, 1, 4)}
+
+
+@pytest.fixture(scope="module")
+def engines(request):
+    profile = request.config._bench_sizes.profile
+    smoke = profile == "smoke"
+    _, _, _, batch = SIZES[profile]
+    options = dict(
+        max_num_seqs=batch, compile_policy="blocking", enforce_eager=smoke, enable_prefix_caching=False
+    )
+    built = {"none": LLM(**options), "ngram": LLM(speculative_config=NGRAM, **options)}
+    yield built
+    for llm in built.values():
+        llm.close()
+
+
+def _run(benchmark, llm: LLM, prompts: list[list[int]], max_tokens: int, rounds: int, per_round: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batches = [prompts[i * per_round : (i + 1) * per_round] for i in range(rounds)]
+    # Warm-up: every round's requests once, so each bucket their steps use (proposals change the
+    # token counts from round to round) is compiled before the timed rounds.
+    warmed: list[list[list[int]]] = []
+    for batch in batches:
+        if batch not in warmed:
+            warmed.append(batch)
+            llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    before = llm.stats()
+    seconds: list[float] = []
+    round_index = iter(range(rounds))
+
+    def one_round():
+        batch = batches[next(round_index)]
+        started = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        seconds.append(time.perf_counter() - started)
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(batch) * max_tokens
+
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1)
+    after = llm.stats()
+    drafts = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+    spec_steps = after.num_spec_steps - before.num_spec_steps
+    tokens_per_s = sorted(per_round * max_tokens / s for s in seconds)
+    benchmark.extra_info.update(
+        requests=per_round,
+        new_tokens=max_tokens,
+        median_tokens_per_s=tokens_per_s[len(tokens_per_s) // 2],
+        spec_steps=spec_steps,
+        acceptance_rate=accepted / drafts if drafts else 0.0,
+        mean_accepted_length=(accepted + spec_steps) / spec_steps if spec_steps else 0.0,
+    )
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_speculative_one_request(benchmark, request, engines, method):
+    prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
+    llm = engines[method]
+    prompts = completion_prompts(llm.get_tokenizer(), rounds, prompt_tokens)
+    benchmark.group = f"speculative decoding, 1 request x {new_tokens} tokens"
+    _run(benchmark, llm, prompts, new_tokens, rounds, 1)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_speculative_batch(benchmark, request, engines, method):
+    prompt_tokens, new_tokens, rounds, batch = SIZES[request.config._bench_sizes.profile]
+    llm = engines[method]
+    prompts = completion_prompts(llm.get_tokenizer(), batch, prompt_tokens // 2)
+    benchmark.group = f"speculative decoding, {batch} requests x {new_tokens} tokens"
+    _run(benchmark, llm, prompts * rounds, new_tokens, rounds, batch)
