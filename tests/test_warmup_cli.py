@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.entrypoints.cli import main
 from compiled_engine.entrypoints.warmup import linears_label
