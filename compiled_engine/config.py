@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_engine.records.weight_quantization import WeightQuantization
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -35,3 +37,5 @@ class EngineConfig:
     enable_prefix_caching: bool
     long_prefill_token_threshold: int  # 0: a prefill takes up to the step budget
     tensor_parallel_size: int
+    # Weight-only quantization of the linears (records/weight_quantization.py); None: the model dtype.
+    quantization: WeightQuantization | None = None

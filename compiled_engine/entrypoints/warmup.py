@@ -24,16 +24,23 @@ class WarmupRow:
     build: BucketBuild
     # How the graph attends: "inline" (Inductor-fused maths) or the attention backend's op.
     attention: str
+    # How the linears hold their weights: the weight quantization's label ("int8", "int4-g32") or
+    # the model dtype ("bfloat16").
+    weights: str = "-"
 
 
-def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupRow]:
-    """Build (load or compile) every graph the step can run, with a progress bar."""
+def warm_up_buckets(step: StepGraph, show_progress: bool = True, weights: str = "-") -> list[WarmupRow]:
+    """Build (load or compile) every graph the step can run, with a progress bar. `weights`: how
+    the linears hold their weights, for the table (the engine config's quantization or dtype)."""
     buckets = step.all_buckets()
     step.compile_buckets(buckets, show_progress=show_progress)
     backend = step.attention_backend.name if step.attention_backend is not None else "torch"
     return [
         WarmupRow(
-            bucket, step.builds[bucket], "inline" if step.builds[bucket].variant.inline_attention else backend
+            bucket,
+            step.builds[bucket],
+            "inline" if step.builds[bucket].variant.inline_attention else backend,
+            weights,
         )
         for bucket in buckets
     ]
@@ -41,6 +48,10 @@ def warm_up_buckets(step: StepGraph, show_progress: bool = True) -> list[WarmupR
 
 def linears_label(variant: BucketVariant) -> str:
     """How a graph runs its linears: GEMV-lowered, the C++ GEMV, oneDNN-packed or torch's GEMM."""
+    if variant.gemv_kernel and variant.quantized_gemv_kernel:
+        return "cpu_gemv+quantized"
+    if variant.quantized_gemv_kernel:
+        return "cpu_gemv_quantized"
     if variant.gemv_kernel:
         return "cpu_gemv"
     return "gemv" if variant.gemv else "onednn" if variant.packed_linears else "torch"
@@ -53,8 +64,9 @@ def passes_label(passes: PassReport) -> str:
 
 def format_table(rows: Sequence[WarmupRow]) -> str:
     """One line per graph: bucket, cache hit or miss, its rewrites (summed up, then each
-    per-bucket pass's result), seconds to compile or load, saved."""
-    header = ("bucket", "cache", "linears", "attention", "passes", "compile s", "load s", "saved")
+    per-bucket pass's result), seconds to compile or load, saved, and how the linears hold their
+    weights (the quantization, or the model dtype)."""
+    header = ("bucket", "cache", "linears", "attention", "passes", "compile s", "load s", "saved", "weights")
     lines = [header]
     for row in rows:
         build = row.build
@@ -69,6 +81,7 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
                 "-" if hit else f"{build.seconds:.2f}",
                 f"{build.seconds:.2f}" if hit else "-",
                 "yes" if build.saved else "no",
+                row.weights,
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
