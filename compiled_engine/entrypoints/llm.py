@@ -66,7 +66,9 @@ class LLM:
         after preemption) reuse them instead of computing them again (core/kv_cache_manager.py;
         `stats()` reports the hit rate); `tensor_parallel_size` shards the model over that many
         ranks, this process and N-1 worker processes it starts (compiled_engine/distributed/;
-        `close()` or collecting the LLM stops them)."""
+        `close()` or collecting the LLM stops them); `quantization="int8" | "int4"` (with
+        `quantization_group_size` for int4) stores every linear but the LM head in fewer bits, done at
+        load by a graph pass; a compressed-tensors checkpoint brings its own (docs/quantization.md)."""
         unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
         if unknown:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
