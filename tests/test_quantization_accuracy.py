@@ -24,8 +24,8 @@ from compiled_engine.default_model_path import default_model_dir
 _EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 _HELD_OUT_EVERY = 50
 WINDOW = 256  # the model was trained on 256-token contexts
-NUM_WINDOWS = 6
-GREEDY_TOKENS = 24
+NUM_WINDOWS = 4
+GREEDY_TOKENS = 16
 LIMITS = {"int8": 0.01, "int4": 0.05}
 
 
