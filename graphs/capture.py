@@ -56,6 +56,7 @@ from compiled_engine.graphs.passes.freeze_parameters import (
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 from compiled_engine.kernels.backends import AttentionBackend
+from compiled_engine.kernels.weight_quantization import output_embeddings
 from compiled_engine.records.weight_quantization import WeightQuantization
 
 # Distinct graphs one CapturedModel may trace (see the module docstring for the usual count).
@@ -224,7 +225,7 @@ def capture_model(
         set_attn_implementation(ATTENTION_NAME)
     # One cache per captured model: its graphs share one copy of each concatenated weight.
     fused_weights = FusedWeightCache() if fuse_linears else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     pass_manager = default_pass_manager(
         type(model).__name__,
         len(kv_caches),

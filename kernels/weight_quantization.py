@@ -66,9 +66,16 @@ def check_quantization_runs(
         )
 
 
+def output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's LM head module (transformers' `get_output_embeddings`), None where it has none."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
 def quantized_linear_names(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     """(name, module) of every `nn.Linear` the schemes quantize: all but the output embedding (LM head)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     return [
         (name, module)
         for name, module in model.named_modules()
