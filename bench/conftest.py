@@ -29,6 +29,7 @@ SYSTEMS = ("ours", "hf")
 # The suites a `--peer` joins (each peer runs the same requests there).
 PEER_SUITES = ("test_decode", "test_throughput")
 BENCH_DTYPES = ("float32", "bfloat16")
+BENCH_QUANTIZATIONS = ("int8", "int4")
 
 
 def pytest_addoption(parser):
@@ -51,6 +52,13 @@ def pytest_addoption(parser):
         default="auto",
         help="our engine's attention_backend (default auto: on CPU the cpu kernel; 'torch' for the "
         "reference op with Inductor's inline attention maths in decode buckets)",
+    )
+    group.addoption(
+        "--bench-quantization",
+        choices=BENCH_QUANTIZATIONS,
+        default=None,
+        help="our engine's weight quantization (int8 / int4, docs/quantization.md; or env "
+        "BENCH_QUANTIZATION); a llama.cpp peer then runs its Q8_0 / Q4_0 of the same weights",
     )
     group.addoption(
         "--peer",
@@ -84,8 +92,14 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--bench-model {unknown}: unknown model, expected one of {model_names()}")
     if models:
         config._bench_sizes = dataclasses.replace(config._bench_sizes, models=tuple(dict.fromkeys(models)))
+    quantization = config.getoption("--bench-quantization") or os.environ.get("BENCH_QUANTIZATION") or None
+    if quantization is not None and quantization not in BENCH_QUANTIZATIONS:
+        raise pytest.UsageError(
+            f"BENCH_QUANTIZATION must be one of {BENCH_QUANTIZATIONS}, got {quantization!r}"
+        )
+    config._bench_quantization = quantization
     try:
-        config._bench_peers = PeerSession(parse_peers(config.getoption("--peer")))
+        config._bench_peers = PeerSession(parse_peers(config.getoption("--peer")), quantization)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
     dtype = config.getoption("--bench-dtype") or os.environ.get("BENCH_DTYPE") or "float32"
@@ -130,10 +144,12 @@ class BenchSession:
         dtype: str = "float32",
         attention_backend: str = "auto",
         peers: PeerSession | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.sizes = sizes
         self.dtype = dtype
         self.attention_backend = attention_backend
+        self.quantization = quantization
         self.peers = peers or PeerSession({})
         self._engines: dict[str, object] = {}
         self._hf: dict[str, object] = {}
@@ -174,6 +190,8 @@ class BenchSession:
         after round, and against HF (no prefix cache) every round must compute its prompt."""
         options.setdefault("enable_prefix_caching", False)
         options.setdefault("attention_backend", self.attention_backend)
+        if self.quantization is not None:
+            options.setdefault("quantization", self.quantization)
         key = (name, tuple(sorted(options.items())))
         if key not in self._engines and "async_scheduling" in options:
             # The device's default loop is one of the two: the engine built without the option
@@ -228,7 +246,11 @@ class BenchSession:
 def bench_session(request):
     config = request.config
     session = BenchSession(
-        config._bench_sizes, config._bench_dtype, config._bench_attention_backend, config._bench_peers
+        config._bench_sizes,
+        config._bench_dtype,
+        config._bench_attention_backend,
+        config._bench_peers,
+        config._bench_quantization,
     )
     yield session
     session.peers.close()

@@ -62,4 +62,6 @@ def test_decode(benchmark, bench_session, sizes, model_name, system, concurrency
         results=results,
         prompt_len=sizes.decode_prompt_len,
         output_len=sizes.decode_output_len,
+        # Ours and a llama.cpp peer run quantized weights under --bench-quantization; HF never does.
+        quantization=(bench_session.quantization or "none") if system != "hf" else "none",
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_engine.records.weight_quantization import WeightQuantization
 from compiled_engine.speculative_config import SpeculativeConfig
 
 
@@ -40,3 +41,5 @@ class EngineConfig:
     long_prefill_token_threshold: int  # 0: a prefill takes up to the step budget
     tensor_parallel_size: int
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
+    # Weight-only quantization of the linears (records/weight_quantization.py); None: the model dtype.
+    quantization: WeightQuantization | None = None

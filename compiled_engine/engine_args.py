@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from compiled_engine.config import EngineConfig
     from compiled_engine.model_loader.model_config import ModelConfig
+    from compiled_engine.records.weight_quantization import WeightQuantization
 
 _Args = TypeVar("_Args", bound="EngineArgs")
 
@@ -46,6 +47,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8", "fp8_e4m3")
 # Attention backends that read a quantized KV cache (kernels/backends.py).
 QUANTIZED_KV_BACKENDS = ("auto", "torch", "cpu", "triton")
+# records/weight_quantization.py WEIGHT_QUANTIZATION_SCHEMES (a test keeps the two equal).
+QUANTIZATION_CHOICES = ("int8", "int4")
 # What a step does when its bucket's graph is not built yet (docs/compile-policy.md):
 # background: run a fallback graph now, compile the bucket in a background process;
 # blocking: compile (or load) it first, on the request path; ahead: build every graph before
@@ -160,6 +163,16 @@ class EngineArgs:
         choices=COMPILE_POLICY_CHOICES,
     )
     fuse_linears: bool = option(True, "keep q/k/v and gate/up as separate GEMMs")
+    quantization: str | None = option(
+        None,
+        "weight-only quantization of every linear but the LM head, at load: int8 (a scale per output "
+        "feature) or int4 (a scale and zero point per group of input features); default: none, or "
+        "the checkpoint's own compressed-tensors scheme (docs/quantization.md)",
+        choices=QUANTIZATION_CHOICES,
+    )
+    quantization_group_size: int = option(
+        32, "int4 quantization: input features per scale and zero point (32, 64, 128 or 256)"
+    )
     enable_prefix_caching: bool = option(
         True,
         "compute every prompt in full (default: reuse cached KV blocks of shared prefixes)",
@@ -233,6 +246,17 @@ class EngineArgs:
                 f"{self.attention_backend!r}: a quantized KV cache is read by the "
                 f"{', '.join(b for b in QUANTIZED_KV_BACKENDS if b != 'auto')} backends"
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}: choose one of "
+                f"{', '.join(QUANTIZATION_CHOICES)} (or None for the checkpoint's weights as they are)"
+            )
+        self.weight_quantization()  # checks the group size
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ValueError(
+                "quantization is not supported with tensor_parallel_size > 1 yet: the tensor-parallel "
+                "pass shards float linears only"
+            )
         if self.compile_policy is not None and self.compile_policy not in COMPILE_POLICY_CHOICES:
             raise ValueError(
                 f"unknown compile_policy {self.compile_policy!r}: "
@@ -266,6 +290,19 @@ class EngineArgs:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def weight_quantization(self) -> WeightQuantization | None:
+        """`quantization` and its group size as a record (None: unquantized); ValueError when invalid."""
+        from compiled_engine.records.weight_quantization import WeightQuantization
+
+        if self.quantization is None:
+            return None
+        if isinstance(self.quantization_group_size, bool) or not isinstance(
+            self.quantization_group_size, int
+        ):
+            raise ValueError(f"quantization_group_size must be an int, got {self.quantization_group_size!r}")
+        group_size = self.quantization_group_size if self.quantization == "int4" else None
+        return WeightQuantization(self.quantization, group_size)
 
     def create_engine_config(self, device: torch.device, model_config: ModelConfig) -> EngineConfig:
         """Every option resolved against the device and the loaded model's config. The KV block
@@ -317,7 +354,31 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             tensor_parallel_size=self.tensor_parallel_size,
             speculative=self.speculative_config,
+            quantization=self._resolve_quantization(device, model_config),
         )
+
+    def _resolve_quantization(
+        self, device: torch.device, model_config: ModelConfig
+    ) -> WeightQuantization | None:
+        """The scheme asked for, or the checkpoint's own; refused where its kernels cannot run."""
+        from compiled_engine.kernels.weight_quantization import check_quantization_runs
+
+        asked = self.weight_quantization()
+        checkpoint = model_config.quantization
+        if checkpoint is not None and asked is not None and asked != checkpoint:
+            raise ValueError(
+                f"the checkpoint is already quantized ({checkpoint.label}, from {checkpoint.source}); "
+                f"quantization={self.quantization!r} cannot re-quantize it: leave quantization unset"
+            )
+        quantization = checkpoint if checkpoint is not None else asked
+        if quantization is not None:
+            check_quantization_runs(quantization, model_config.dtype, device)
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"a {quantization.label} quantized model cannot run with tensor_parallel_size > 1 yet: "
+                    "the tensor-parallel pass shards float linears only"
+                )
+        return quantization
 
     def _resolve_compile_policy(self, device: torch.device) -> str:
         policy = self.compile_policy

@@ -31,6 +31,7 @@ from compiled_engine.graphs.constant_recipes import Recipe, build_constant, lift
 from compiled_engine.graphs.gemv_policy import GemvDecision
 from compiled_engine.graphs.graph_dump import bucket_label
 from compiled_engine.graphs.pass_manager import PassReport
+from compiled_engine.kernels.weight_quantization import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class ConstantPool:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._tensors: dict[str, torch.Tensor] = {}
+        # Each quantized weight once, whichever of its parts a recipe asks for first.
+        self._quantized: dict[str, QuantizedWeight] = {}
 
     def adopt(self, graph: fx.GraphModule) -> None:
         """Reuse a traced graph's own tensors (its fused weights) instead of building copies."""
@@ -68,7 +71,7 @@ class ConstantPool:
         for recipe in recipes:
             key = repr(recipe)
             if key not in self._tensors:
-                self._tensors[key] = build_constant(recipe, self.model)
+                self._tensors[key] = build_constant(recipe, self.model, self._quantized)
             out.append(self._tensors[key])
         return out
 

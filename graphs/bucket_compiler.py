@@ -39,6 +39,8 @@ class BucketVariant(NamedTuple):
     inline_attention: bool = False  # attention as fused maths (graphs/passes/inline_attention.py)
     packed_linears: bool = False  # linears on oneDNN-packed weights (graphs/passes/onednn_linear.py)
     gemv_kernel: bool = False  # linears on the C++ GEMV (graphs/passes/cpu_gemv.py)
+    # quantized linears on the C++ GEMV's int8/int4 variants (graphs/passes/cpu_gemv_quantized.py)
+    quantized_gemv_kernel: bool = False
 
     @classmethod
     def from_report(cls, passes: PassReport) -> BucketVariant:
@@ -47,6 +49,7 @@ class BucketVariant(NamedTuple):
             inline_attention=passes.ran("inline_attention"),
             packed_linears=passes.ran("pack_linear_weights"),
             gemv_kernel=passes.ran("cpu_gemv_linears"),
+            quantized_gemv_kernel=passes.ran("cpu_gemv_quantized"),
         )
 
 

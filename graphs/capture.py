@@ -56,6 +56,8 @@ from compiled_engine.graphs.passes.freeze_parameters import (
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.step_inputs import StepInputs, anchor_step_metadata
 from compiled_engine.kernels.backends import AttentionBackend
+from compiled_engine.kernels.weight_quantization import output_embeddings
+from compiled_engine.records.weight_quantization import WeightQuantization
 
 # Distinct graphs one CapturedModel may trace (see the module docstring for the usual count).
 _RECOMPILE_LIMIT = 32
@@ -198,6 +200,7 @@ def capture_model(
     fuse_linears: bool = False,
     attention_backend: AttentionBackend | None = None,
     tensor_parallel: TensorParallelLayout | None = None,
+    quantization: WeightQuantization | None = None,
 ) -> CapturedModel:
     """Prepare `model` for serving with paged attention; graphs are traced on first calls.
 
@@ -208,6 +211,8 @@ def capture_model(
     into the graphs and fuse sibling linears (module docstring). `attention_backend`: the
     paged-attention implementation the graphs call (kernels/backends.py; default the torch op).
     `tensor_parallel`: the layout `model`'s weights were loaded in (model_loader/loader.py).
+    `quantization`: weight-only quantization of every linear but the LM head
+    (graphs/passes/quantize_linears.py).
     """
     _check_kv_caches(kv_caches)
     register_paged_attention()
@@ -220,7 +225,15 @@ def capture_model(
         set_attn_implementation(ATTENTION_NAME)
     # One cache per captured model: its graphs share one copy of each concatenated weight.
     fused_weights = FusedWeightCache() if fuse_linears else None
+    head = output_embeddings(model)
     pass_manager = default_pass_manager(
-        type(model).__name__, len(kv_caches), fused_weights, attention_backend, tensor_parallel
+        type(model).__name__,
+        len(kv_caches),
+        fused_weights,
+        attention_backend,
+        tensor_parallel,
+        quantization=quantization,
+        lm_head=getattr(head, "weight", None),
+        model=model,
     )
     return CapturedModel(model, kv_caches, pass_manager, graph_compiler)

@@ -13,7 +13,8 @@ Fields (all strings, so a manifest reads and diffs as-is in JSON):
 - engine.*: dtype, block size, buckets, max_num_seqs, max_num_batched_tokens, KV-cache
   layout (not its block count: that stays symbolic in the graphs, so a cache sized from free
   memory does not miss), linear fusion, attention backend, tensor-parallel rank/size (each
-  rank's graphs differ: its slice of the vocabulary is a constant in them);
+  rank's graphs differ: its slice of the vocabulary is a constant in them), weight quantization
+  (its label: scheme and group size; the quantized weights are rebuilt by their recipes);
 - versions.*: python, torch, triton, transformers, and every pass / op / step version;
 - device.*: kind and capability (CUDA compute capability and name; CPU instruction set).
 """
@@ -49,6 +50,7 @@ class GraphOptions:
     attention_backend: str
     tensor_parallel: str = "1"  # "rank/size" when sharded: each rank's graphs differ
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype; else int8 / fp8 codes
+    quantization: str = "none"  # the weight quantization's label ("int8", "int4-g32"): its constants differ
 
 
 def _sha(text: str) -> str:
@@ -121,6 +123,7 @@ def build_manifest(
             "engine.kv_cache_dtype": "auto"
             if options.kv_cache_dtype is None
             else str(options.kv_cache_dtype),
+            "engine.quantization": options.quantization,
         }
     )
     manifest.update(

@@ -52,6 +52,7 @@ from compiled_engine.graphs.gemv_policy import GEMV_POLICY_VERSION, GemvDecision
 from compiled_engine.graphs.pass_manager import BucketTarget, PassReport, PerBucket
 from compiled_engine.graphs.pass_pipeline import default_pass_manager
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
+from compiled_engine.graphs.quantized_gemv_policy import QUANTIZED_GEMV_POLICY_VERSION, with_quantized_rows
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.graphs.traced_step import MIN_DYNAMIC_SIZE, TracedStep, check_buffer_room
 from compiled_engine.kernels.backends import AttentionBackend
@@ -59,6 +60,7 @@ from compiled_engine.kernels.paged_attention import PAGED_ATTENTION_VERSION
 from compiled_engine.kernels.reference import REFERENCE_VERSION
 from compiled_engine.kernels.source_version import source_version
 from compiled_engine.records.graph_status import EAGER, GraphCall, GraphStatus, graph_label
+from compiled_engine.records.weight_quantization import WeightQuantization
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +88,18 @@ def step_component_versions(
     fuse_linears: bool,
     attention_backend: AttentionBackend | None = None,
     tensor_parallel: TensorParallelLayout | None = None,
+    quantization: WeightQuantization | None = None,
 ) -> dict[str, str]:
     """Versions of every piece that shapes the compiled graphs, for the compile-cache manifest:
     each a hash of its source (kernels/source_version.py), one field per pass, so a miss names
     the piece that changed."""
     passes = default_pass_manager(
-        "<any>", None, FusedWeightCache() if fuse_linears else None, attention_backend, tensor_parallel
+        "<any>",
+        None,
+        FusedWeightCache() if fuse_linears else None,
+        attention_backend,
+        tensor_parallel,
+        quantization=quantization,
     )
     return {
         "attention_backend": attention_backend.version if attention_backend is not None else "torch",
@@ -108,6 +116,7 @@ def step_component_versions(
         "device_runtime": DEVICE_RUNTIME_VERSION,
         "bucket_graphs": BUCKET_GRAPHS_VERSION,
         "gemv_policy": GEMV_POLICY_VERSION,
+        "quantized_gemv_policy": QUANTIZED_GEMV_POLICY_VERSION,
     }
 
 
@@ -141,6 +150,7 @@ class CompiledStep:
         runtime: DeviceRuntime | None = None,
         attention_backend: AttentionBackend | None = None,
         tensor_parallel: TensorParallelLayout | None = None,
+        quantization: WeightQuantization | None = None,
         policy: str = "blocking",
         compiler: CompilerProcess | None = None,
     ) -> None:
@@ -154,6 +164,7 @@ class CompiledStep:
         self.policy = policy
         self.attention_backend = attention_backend
         self.tensor_parallel = tensor_parallel
+        self.quantization = quantization
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.fuse_linears = fuse_linears
@@ -400,12 +411,14 @@ class CompiledStep:
             self._gemv = self.store.read_gemv_decision()
         if self._gemv is None:
             start = time.perf_counter()
-            self._gemv = decide_gemv_rows(self._trace().graph, list(self.buckets))
+            graph = self._trace().graph
+            self._gemv = with_quantized_rows(decide_gemv_rows(graph, list(self.buckets)), graph, self.buckets)
             logger.info(
-                "GEMV lowering for buckets %s, C++ GEMV for %s, oneDNN-packed linears for %s%s "
-                "(measured in %.1f s: %s)",
+                "GEMV lowering for buckets %s, C++ GEMV for %s (quantized linears: %s), oneDNN-packed "
+                "linears for %s%s (measured in %.1f s: %s)",
                 list(self._gemv.lowered_rows),
                 list(self._gemv.kernel_rows),
+                list(self._gemv.quantized_kernel_rows),
                 list(self._gemv.packed_rows),
                 " and the dynamic graph" if self._gemv.packs_dynamic else "",
                 time.perf_counter() - start,
@@ -432,7 +445,12 @@ class CompiledStep:
     def _trace(self) -> TracedStep:
         if self.traced is None:
             self.traced = TracedStep(
-                self.model, self.kv_caches, self.fuse_linears, self.attention_backend, self.tensor_parallel
+                self.model,
+                self.kv_caches,
+                self.fuse_linears,
+                self.attention_backend,
+                self.tensor_parallel,
+                self.quantization,
             )
             self.num_traces += 1
             if self.store is not None:

@@ -12,7 +12,11 @@ goes (JSON-serialisable dicts):
   Dynamo source of the weight it froze (the same object every call);
 - fuse_linears: `{"kind": "concat", "parts": [recipe, ...]}` (rows concatenated), with
   `{"kind": "zero_rows", "of": recipe}` for a sibling without bias (zeros, one per row of
-  that weight).
+  that weight);
+- quantize_linears: `{"kind": "quantized", "of": recipe, "scheme": ..., "group_size": ...,
+  "symmetric": ..., "part": "qweight" | "scales" | "zeros"}`, one part of the weight `of`
+  quantized (kernels/weight_quantization.py; deterministic, so a warm start gets the same tensors,
+  each weight quantized once however many parts ask for it).
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from torch import fx
 
 from compiled_engine.graphs.calling_convention import model_source_value
 from compiled_engine.kernels.source_version import source_version
+from compiled_engine.kernels.weight_quantization import QuantizedWeight, quantize_weight
+from compiled_engine.records.weight_quantization import WeightQuantization
 
 RECIPES_META = "compiled_engine_constant_recipes"
-CONSTANT_RECIPES_VERSION = source_version(__name__, "compiled_engine.graphs.calling_convention")
+CONSTANT_RECIPES_VERSION = source_version(
+    __name__, "compiled_engine.graphs.calling_convention", "compiled_engine.kernels.weight_quantization"
+)
 
 Recipe = dict[str, Any]
 
@@ -41,6 +49,17 @@ def concat_recipe(parts: list[Recipe]) -> Recipe:
 
 def zero_rows_recipe(of: Recipe) -> Recipe:
     return {"kind": "zero_rows", "of": of}
+
+
+def quantized_recipe(of: Recipe, quantization: WeightQuantization, part: str) -> Recipe:
+    return {
+        "kind": "quantized",
+        "of": of,
+        "scheme": quantization.scheme,
+        "group_size": quantization.group_size,
+        "symmetric": quantization.symmetric,
+        "part": part,
+    }
 
 
 def record_recipe(gm: fx.GraphModule, attribute: str, recipe: Recipe) -> None:
@@ -79,9 +98,25 @@ def lifted_constant_recipes(gm: fx.GraphModule, recipes_from: fx.GraphModule | N
     return recipes
 
 
-def build_constant(recipe: Recipe, model: torch.nn.Module) -> torch.Tensor:
-    """The tensor `recipe` describes, made from `model`'s own weights."""
+def build_constant(
+    recipe: Recipe, model: torch.nn.Module, quantized: dict[str, QuantizedWeight] | None = None
+) -> torch.Tensor:
+    """The tensor `recipe` describes, made from `model`'s own weights.
+
+    `quantized`: weights already quantized by earlier calls (keyed by the recipe without its
+    part), so that the parts of one weight share one quantization."""
     kind = recipe.get("kind")
+    if kind == "quantized":
+        whole = {k: v for k, v in recipe.items() if k != "part"}
+        key = repr(whole)
+        memo = quantized if quantized is not None else {}
+        if key not in memo:
+            scheme = WeightQuantization(recipe["scheme"], recipe["group_size"], bool(recipe["symmetric"]))
+            memo[key] = quantize_weight(build_constant(recipe["of"], model, memo), scheme)
+        value = getattr(memo[key], recipe["part"])
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"a {recipe['scheme']} weight has no {recipe['part']!r} part")
+        return value
     if kind == "model":
         value = model_source_value(recipe["source"], model)
         if not isinstance(value, torch.Tensor):
@@ -99,10 +134,11 @@ def build_constant(recipe: Recipe, model: torch.nn.Module) -> torch.Tensor:
 def build_constants(recipes: list[Recipe], model: torch.nn.Module) -> list[torch.Tensor]:
     """Every recipe's tensor; equal recipes give the same tensor object (one concatenation each)."""
     built: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     out = []
     for recipe in recipes:
         key = repr(recipe)
         if key not in built:
-            built[key] = build_constant(recipe, model)
+            built[key] = build_constant(recipe, model, quantized)
         out.append(built[key])
     return out

@@ -273,6 +273,10 @@ class GemvDecision:
     packed_rows: tuple[int, ...] = ()
     packs_dynamic: bool = False
     kernel_rows: tuple[int, ...] = ()
+    # Weight-quantized linears (graphs/quantized_gemv_policy.py): the row counts where the C++
+    # GEMV's int8/int4 variants beat torch's kernels, and (rows, torch's fastest ms, the GEMV's).
+    quantized_kernel_rows: tuple[int, ...] = ()
+    quantized_timings: tuple[tuple[int, float, float], ...] = ()
     version: str = field(default=GEMV_POLICY_VERSION)
 
     def lowers(self, rows: int) -> bool:
@@ -282,6 +286,10 @@ class GemvDecision:
     def runs_kernel(self, rows: int) -> bool:
         """Whether a graph run at exactly `rows` token rows should run its linears on the C++ GEMV."""
         return rows in self.kernel_rows
+
+    def runs_quantized_kernel(self, rows: int) -> bool:
+        """Whether a graph run at exactly `rows` rows should run its quantized linears on the C++ GEMV."""
+        return rows in self.quantized_kernel_rows
 
     def packs(self, rows: int | None) -> bool:
         """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should pack."""
@@ -327,6 +335,10 @@ class GemvDecision:
                 packed_rows=tuple(int(r) for r in data["packed_rows"]),
                 packs_dynamic=bool(data["packs_dynamic"]),
                 kernel_rows=tuple(int(r) for r in data["kernel_rows"]),
+                quantized_kernel_rows=tuple(int(r) for r in data["quantized_kernel_rows"]),
+                quantized_timings=tuple(
+                    (int(r), float(a), float(b)) for r, a, b in data["quantized_timings"]
+                ),
                 unmeasured_rows=tuple(int(r) for r in data["unmeasured_rows"]),
                 reason=str(data["reason"]),
                 device=str(data["device"]),
@@ -600,6 +612,11 @@ def _time_rows(
         kernel_ms=median_ms("kernel"),
         kernel_best_ms=best_ms("kernel"),
     )
+
+
+def alternate_calls(*fns: Callable[[], Any]) -> list[list[float]]:
+    """Seconds per call of each fn, calls interleaved (graphs/quantized_gemv_policy.py times with it too)."""
+    return _alternate(*fns)
 
 
 def _alternate(*fns: Callable[[], Any]) -> list[list[float]]:

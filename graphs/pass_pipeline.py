@@ -2,16 +2,19 @@
 
 At capture (every graph Dynamo hands the backend, graphs/capture.py):
 
-    [freeze_parameters] → {tensor_parallel} → lower_sdpa → [fuse_linears] → noop_elimination
-      → dce → check_lowering → (select_attention_backend)
+    [freeze_parameters] → {tensor_parallel} → lower_sdpa → [fuse_linears] → <quantize_linears>
+      → noop_elimination → dce → check_lowering → (select_attention_backend)
 
     […]: with fused weights (the compiled path); {…}: tensor_parallel_size > 1;
+    <…>: with weight quantization (freeze_parameters then runs on the eager path too);
     (…): an attention backend other than the torch op.
 
 Per bucket (each bucket's variant of the traced graph, graphs/bucket_compiler.py):
 
     gemv_lowering        where the GEMV policy measured the lowering to win at this bucket
     cpu_gemv_linears     else, where it measured the C++ GEMV (kernels/cpu_gemv.py) to win
+    cpu_gemv_quantized   with weight quantization, where it measured the C++ GEMV's int8/int4
+                         variants faster than torch's kernels at this bucket's rows
     pack_linear_weights  else, where it measured oneDNN over packed weights to win
     inline_attention     on CPU with the torch op, for buckets that can be a decode batch
                          (<= max_num_seqs): the fused maths replaces ~40 eager calls per layer;
@@ -23,6 +26,8 @@ is written to DIR before and after each pass (graphs/graph_dump.py).
 """
 
 from __future__ import annotations
+
+import torch
 
 from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.graph_dump import DumpingPassManager, dump_dir_from_env
@@ -36,6 +41,7 @@ from compiled_engine.graphs.pass_manager import (
 )
 from compiled_engine.graphs.passes.check_lowering import CheckLowering
 from compiled_engine.graphs.passes.cpu_gemv import CpuGemvLinears
+from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemvQuantized
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
 from compiled_engine.graphs.passes.freeze_parameters import FreezeParameters
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
@@ -44,9 +50,11 @@ from compiled_engine.graphs.passes.inline_attention import InlineAttention
 from compiled_engine.graphs.passes.lower_sdpa import LowerSdpa
 from compiled_engine.graphs.passes.noop_elimination import NoopElimination
 from compiled_engine.graphs.passes.onednn_linear import PackLinearWeights
+from compiled_engine.graphs.passes.quantize_linears import QuantizedWeightCache, QuantizeLinears
 from compiled_engine.graphs.passes.select_attention_backend import SelectAttentionBackend
 from compiled_engine.graphs.passes.tensor_parallel import ShardForTensorParallel
 from compiled_engine.kernels.backends import AttentionBackend
+from compiled_engine.records.weight_quantization import WeightQuantization
 
 
 def lowers_linears(target: BucketTarget) -> bool:
@@ -64,6 +72,11 @@ def runs_gemv_kernel(target: BucketTarget) -> bool:
 def packs_linears(target: BucketTarget) -> bool:
     """Neither lowered nor on the C++ GEMV, and the policy measured oneDNN over packed weights to win here."""
     return not lowers_linears(target) and not runs_gemv_kernel(target) and target.linears.packs(target.bucket)
+
+
+def runs_quantized_gemv_kernel(target: BucketTarget) -> bool:
+    """The policy measured the C++ GEMV's int8/int4 variants faster than torch's kernels at this bucket."""
+    return target.bucket is not None and target.linears.runs_quantized_kernel(target.bucket)
 
 
 def inlines_attention(target: BucketTarget) -> bool:
@@ -88,6 +101,7 @@ BUCKET_PASSES = (
     per_bucket(GemvLowering, lowers_linears, _gemv_lowering),
     per_bucket(CpuGemvLinears, runs_gemv_kernel),
     per_bucket(PackLinearWeights, packs_linears),
+    per_bucket(CpuGemvQuantized, runs_quantized_gemv_kernel),
     per_bucket(InlineAttention, inlines_attention),
 )
 
@@ -98,6 +112,9 @@ def default_pass_manager(
     fused_weights: FusedWeightCache | None = None,
     attention_backend: AttentionBackend | None = None,
     tensor_parallel: TensorParallelLayout | None = None,
+    quantization: WeightQuantization | None = None,
+    lm_head: torch.Tensor | None = None,
+    model: torch.nn.Module | None = None,
 ) -> PassManager:
     """The pipeline above for one model.
 
@@ -107,16 +124,21 @@ def default_pass_manager(
     DCE, which removes what it leaves unused (the other operand of a dropped `type_as`).
     `attention_backend` other than "torch": a last pass points the attention calls at that
     backend's op. `tensor_parallel` (this rank's layout): a pass inserts the collectives that
-    make the sharded weights' partial outputs whole.
+    make the sharded weights' partial outputs whole. `quantization`: the linears but the LM head
+    (`lm_head`, the output embedding's weight) become weight-only quantized ops, each weight
+    quantized once for all the model's graphs (a pre-quantized checkpoint's integers are read off
+    `model`); the weights are then frozen even without fusion (only constants are quantized).
     """
     passes: list[PipelinePass] = []
-    if fused_weights is not None:
+    if fused_weights is not None or quantization is not None:
         passes.append(FREEZE_PARAMETERS)
     if tensor_parallel is not None:
         passes.append(at_capture(ShardForTensorParallel(tensor_parallel)))
     passes.append(at_capture(LowerSdpa()))
     if fused_weights is not None:
         passes.append(at_capture(FuseLinears(fused_weights)))
+    if quantization is not None:
+        passes.append(at_capture(QuantizeLinears(QuantizedWeightCache(quantization, model), lm_head)))
     passes += [
         at_capture(NoopElimination()),
         at_capture(DeadCodeElimination()),

@@ -146,7 +146,11 @@ def build_step_graph(
     """
     if config.enforce_eager:
         captured = capture_model(
-            model, kv_caches, attention_backend=attention_backend, tensor_parallel=tensor_parallel
+            model,
+            kv_caches,
+            attention_backend=attention_backend,
+            tensor_parallel=tensor_parallel,
+            quantization=config.quantization,
         )
         return EagerStepGraph(captured, runtime_for(config.device), attention_backend)
     buckets = tuple(
@@ -170,6 +174,7 @@ def build_step_graph(
         cache=entry,
         attention_backend=attention_backend,
         tensor_parallel=tensor_parallel,
+        quantization=config.quantization,
         policy=config.compile_policy,
         compiler=compiler,
     )
@@ -197,6 +202,9 @@ def step_manifest(
         fuse_linears=config.fuse_linears,
         attention_backend=attention_backend.name,
         tensor_parallel=(f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"),
+        quantization=config.quantization.label if config.quantization is not None else "none",
     )
-    versions = step_component_versions(config.fuse_linears, attention_backend, tensor_parallel)
+    versions = step_component_versions(
+        config.fuse_linears, attention_backend, tensor_parallel, config.quantization
+    )
     return build_manifest(model, options, config.device, versions)

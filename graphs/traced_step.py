@@ -29,6 +29,7 @@ from compiled_engine.graphs.capture import capture_model
 from compiled_engine.graphs.pass_manager import PassManager, PassReport
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
+from compiled_engine.records.weight_quantization import WeightQuantization
 
 _BLOCK_TABLES = "L['inputs'].block_tables"
 _KV_CACHE = re.compile(r"L\['kv_caches'\]\[\d+\]")
@@ -97,6 +98,7 @@ class TracedStep:
         fuse_linears: bool = True,
         attention_backend: AttentionBackend | None = None,
         tensor_parallel: TensorParallelLayout | None = None,
+        quantization: WeightQuantization | None = None,
     ) -> None:
         recorded: list[tuple[fx.GraphModule, list[Any], CallingConvention]] = []
 
@@ -112,6 +114,7 @@ class TracedStep:
             fuse_linears=fuse_linears,
             attention_backend=attention_backend,
             tensor_parallel=tensor_parallel,
+            quantization=quantization,
         )
         # `patch` is added to torch's config modules at import time (install_config_module), so
         # their type stubs do not show it.

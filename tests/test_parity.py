@@ -27,8 +27,11 @@ def _random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
-def _hf_reference(model_dir: str, prompts: list[list[int]]):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _hf_reference(model_dir: str, prompts: list[list[int]], model=None):
+    """transformers' greedy tokens and scores per prompt; `model`: one already loaded (and altered:
+    tests/test_quantization_engine.py dequantizes its weights), else the folder's in float32."""
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = GenerationConfig(
         max_new_tokens=MAX_NEW_TOKENS,
         do_sample=False,

@@ -56,11 +56,19 @@ def _run(llm: LLM, workload) -> dict[str, tuple[tuple[int, ...], str]]:
     return results
 
 
-@pytest.fixture(scope="module")
-def engines(llama_dir):
+# The same tests with the engines' weights quantized (docs/quantization.md): compiled four times
+# more, so under -m slow; tests/test_quantization_engine.py runs a cheaper eager check by default.
+@pytest.fixture(
+    scope="module", params=[None, pytest.param("int4", marks=pytest.mark.slow)], ids=["unquantized", "int4"]
+)
+def engines(llama_dir, request):
     return {
         (caching, async_): LLM(
-            llama_dir, enable_prefix_caching=caching, async_scheduling=async_, **ENGINE_OPTIONS
+            llama_dir,
+            enable_prefix_caching=caching,
+            async_scheduling=async_,
+            quantization=request.param,
+            **ENGINE_OPTIONS,
         )
         for caching, async_ in MODES
     }

@@ -25,11 +25,23 @@ def test_warmup_prints_a_table_and_a_later_start_is_warm(llama_dir, tmp_path, ca
     assert main(["warmup", "--model", llama_dir, "--cache-dir", str(tmp_path), *OPTIONS]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
-    header = ["bucket", "cache", "linears", "attention", "passes", "compile", "s", "load", "s", "saved"]
+    header = [
+        "bucket",
+        "cache",
+        "linears",
+        "attention",
+        "passes",
+        "compile",
+        "s",
+        "load",
+        "s",
+        "saved",
+        "weights",
+    ]
     assert lines[1].split() == header
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"1", "2", "dynamic"}
-    assert all(row[-1] == "yes" for row in rows.values())
+    assert all(row[-2] == "yes" and row[-1] == "float32" for row in rows.values())
     # The dynamic graph is never GEMV-lowered. Its attention is the backend's op; decode buckets
     # inline the maths only under the torch backend (auto takes the cpu kernel where it builds).
     assert rows["dynamic"][2] in ("onednn", "torch")

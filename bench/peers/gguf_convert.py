@@ -1,6 +1,6 @@
 """Converts a bench model folder to GGUF with llama.cpp's own convert_hf_to_gguf.py.
 
-    DIR/gguf-venv/bin/python bench/peers/gguf_convert.py LLAMA_SRC MODEL_DIR OUT.gguf {f32,bf16}
+    DIR/gguf-venv/bin/python bench/peers/gguf_convert.py LLAMA_SRC MODEL_DIR OUT.gguf {f32,bf16,f16,q8_0}
 
 Runs in the gguf venv scripts/peers/llamacpp_build.sh makes (torch, transformers and the vendored
 gguf-py), never in ours. The bench models are random weights with no tokenizer (bench-small) or a
@@ -79,6 +79,7 @@ def convert(llama_src: Path, model_dir: Path, out: Path, outtype: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 5 or sys.argv[4] not in ("f32", "bf16", "f16"):
-        sys.exit("usage: gguf_convert.py LLAMA_SRC MODEL_DIR OUT.gguf {f32,bf16,f16}")
+    # q8_0: the converter's own Q8_0 (blocks of 32 weights, one scale each); Q4_0 needs llama-quantize.
+    if len(sys.argv) != 5 or sys.argv[4] not in ("f32", "bf16", "f16", "q8_0"):
+        sys.exit("usage: gguf_convert.py LLAMA_SRC MODEL_DIR OUT.gguf {f32,bf16,f16,q8_0}")
     convert(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])

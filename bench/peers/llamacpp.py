@@ -27,6 +27,10 @@ from bench.runners import EngineSettings
 from bench.workloads import BenchRequest
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# Our weight quantization -> llama.cpp's nearest type of the same weights (--bench-quantization):
+# Q8_0 (int8, a scale per 32 weights) from the converter, Q4_0 (int4, a scale per 32) by llama-quantize.
+GGUF_QUANTIZED_TYPES = {"int8": "q8_0", "int4": "q4_0"}
+QUANTIZE_BINARY = "bin/llama-quantize"
 # llama.cpp's limit on sequences in one context (LLAMA_MAX_SEQ).
 LLAMA_MAX_SEQUENCES = 256
 CONVERTER = Path(__file__).with_name("gguf_convert.py")
@@ -44,8 +48,11 @@ class BatchedBenchRound:
     decode_s: float
 
 
-def gguf_path(spec: PeerSpec, model_dir: Path, dtype: str) -> Path:
-    """The GGUF of `model_dir` in `dtype`, converted on first use into DIR/gguf/."""
+def gguf_path(spec: PeerSpec, model_dir: Path, dtype: str, quantization: str | None = None) -> Path:
+    """The GGUF of `model_dir` in `dtype`, converted on first use into DIR/gguf/; with `quantization`
+    ("int8" / "int4"), llama.cpp's Q8_0 / Q4_0 of the same weights instead."""
+    if quantization is not None:
+        return _quantized_gguf(spec, model_dir, dtype, quantization)
     if dtype not in GGUF_TYPES:
         raise ValueError(
             f"llama.cpp peer: no GGUF type for dtype {dtype!r}; expected one of {list(GGUF_TYPES)}"
@@ -64,6 +71,38 @@ def gguf_path(spec: PeerSpec, model_dir: Path, dtype: str) -> Path:
             raise RuntimeError(
                 f"GGUF conversion of {model_dir} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
             )
+    return out
+
+
+def _quantized_gguf(spec: PeerSpec, model_dir: Path, dtype: str, quantization: str) -> Path:
+    if quantization not in GGUF_QUANTIZED_TYPES:
+        raise ValueError(f"llama.cpp peer: no GGUF type for quantization {quantization!r}")
+    kind = GGUF_QUANTIZED_TYPES[quantization]
+    out = spec.path / "gguf" / f"{model_dir.name}-{kind}.gguf"
+    if out.exists():
+        return out
+    if kind == "q8_0":
+        argv = [
+            str(spec.path / GGUF_PYTHON),
+            str(CONVERTER),
+            str(spec.path / "src"),
+            str(model_dir),
+            str(out),
+            kind,
+        ]
+    else:
+        tool = spec.path / QUANTIZE_BINARY
+        if not tool.exists():
+            raise RuntimeError(f"llama.cpp peer: {tool} missing (scripts/peers/llamacpp_build.sh builds it)")
+        partial = out.with_name(out.name + ".partial")
+        argv = [str(tool), str(gguf_path(spec, model_dir, dtype)), str(partial), kind.upper()]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if kind != "q8_0" and done.returncode == 0:
+        partial.rename(out)  # only when complete: the bench never trusts a half-written GGUF
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(
+            f"{kind} GGUF of {model_dir} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
     return out
 
 

@@ -115,8 +115,10 @@ class VllmWorker:
 class PeerSession:
     """The peers of one bench session: their status, the vLLM worker, the GGUF files."""
 
-    def __init__(self, peers: dict[str, PeerSpec]):
+    def __init__(self, peers: dict[str, PeerSpec], quantization: str | None = None):
+        """`quantization`: --bench-quantization; llama.cpp then runs its Q8_0 / Q4_0 of the weights."""
         self.peers = peers
+        self.quantization = quantization
         self.status = {name: missing_reason(spec) or "installed" for name, spec in peers.items()}
         self.versions: dict[str, str] = {}
         self._vllm: VllmWorker | None = None
@@ -142,7 +144,7 @@ class PeerSession:
         output_len = requests[0].output_len
         if peer == LLAMACPP:
             prompt_len = len(requests[0].prompt_token_ids)
-            gguf = gguf_path(spec, model_dir, dtype)
+            gguf = gguf_path(spec, model_dir, dtype, self.quantization)
             self.versions[LLAMACPP] = "llama-cpp-python 0.3.36 vendored llama.cpp"
             found = run_batched_bench(
                 spec, gguf, prompt_len, output_len - 1, len(requests), warmup + rounds, launch.bench_threads()
@@ -167,7 +169,7 @@ class PeerSession:
                 raise PeerUnavailable(
                     f"llamacpp: {spec.path / MIXED_BINARY} missing (scripts/peers/llamacpp_build.sh)"
                 )
-            gguf = gguf_path(spec, model_dir, dtype)
+            gguf = gguf_path(spec, model_dir, dtype, self.quantization)
             found = run_mixed(spec, gguf, requests, settings, rounds, launch.bench_threads())
             return [RunResult(r.elapsed_s, r.tokens_generated) for r in found]
         worker = self._vllm_worker(spec, model_dir, dtype, settings, warm)
@@ -176,6 +178,10 @@ class PeerSession:
 
     def _vllm_worker(self, spec, model_dir, dtype, settings, warm) -> VllmWorker:
         assert spec.name == VLLM
+        if self.quantization is not None:
+            raise PeerUnavailable(
+                f"vllm: not run with --bench-quantization {self.quantization} (no CPU path here)"
+            )
         if self._vllm is not None and self._vllm.key != (str(model_dir), dtype):
             self._vllm.close()
             self._vllm = None

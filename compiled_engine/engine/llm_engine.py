@@ -31,6 +31,7 @@ from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.graphs.inductor_warmup import finish_cpu_probes, start_cpu_probes
+from compiled_engine.kernels.weight_quantization import check_model_quantizable
 from compiled_engine.model_loader.loader import LoadedModel, load_model
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.records.request import Request
@@ -106,6 +107,9 @@ class LLMEngine:
         cpu_probes = None if args.enforce_eager else start_cpu_probes(device)
         loaded = self._load_model(args, device)
         self.config: EngineConfig = args.create_engine_config(device, loaded.model_config)
+        if self.config.quantization is not None:
+            # A layer the scheme cannot hold is refused now, before anything is traced or compiled.
+            check_model_quantizable(loaded.model, self.config.quantization)
         layout = KVCacheLayout.of(loaded, self.config)
 
         def build_runner(caches: list[torch.Tensor]) -> ModelRunner:

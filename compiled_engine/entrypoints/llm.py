@@ -71,7 +71,10 @@ class LLM:
         ranks, this process and N-1 worker processes it starts (compiled_engine/distributed/;
         `close()` or collecting the LLM stops them); `speculative_config={"method": "ngram",
         "num_speculative_tokens": k, ...}` verifies up to k prompt-lookup proposals per request and
-        step (docs/speculative_decoding.md; `stats()` reports the acceptance)."""
+        step (docs/speculative_decoding.md; `stats()` reports the acceptance);
+        `quantization="int8" | "int4"` (with
+        `quantization_group_size` for int4) stores every linear but the LM head in fewer bits, done at
+        load by a graph pass; a compressed-tensors checkpoint brings its own (docs/quantization.md)."""
         unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
         if unknown:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")

@@ -25,13 +25,17 @@ class WarmupRow:
     # How the graph attends: "inline" (Inductor-fused maths) or the attention backend's op, with
     # the KV cache's codes when quantized ("cpu int8-kv").
     attention: str
+    # How the linears hold their weights: the weight quantization's label ("int8", "int4-g32") or
+    # the model dtype ("bfloat16").
+    weights: str = "-"
 
 
 def warm_up_buckets(
-    step: StepGraph, show_progress: bool = True, kv_cache_dtype: str = "auto"
+    step: StepGraph, show_progress: bool = True, kv_cache_dtype: str = "auto", weights: str = "-"
 ) -> list[WarmupRow]:
     """Build (load or compile) every graph the step can run, with a progress bar. `kv_cache_dtype`
-    (the engine's, resolved) labels the attention column when the cache is quantized."""
+    (the engine's, resolved) labels the attention column when the cache is quantized; `weights`:
+    how the linears hold their weights, for the table (the engine config's quantization or dtype)."""
     buckets = step.all_buckets()
     step.compile_buckets(buckets, show_progress=show_progress)
     backend = step.attention_backend.name if step.attention_backend is not None else "torch"
@@ -41,6 +45,7 @@ def warm_up_buckets(
             bucket,
             step.builds[bucket],
             ("inline" if step.builds[bucket].variant.inline_attention else backend) + suffix,
+            weights,
         )
         for bucket in buckets
     ]
@@ -48,6 +53,10 @@ def warm_up_buckets(
 
 def linears_label(variant: BucketVariant) -> str:
     """How a graph runs its linears: GEMV-lowered, the C++ GEMV, oneDNN-packed or torch's GEMM."""
+    if variant.gemv_kernel and variant.quantized_gemv_kernel:
+        return "cpu_gemv+quantized"
+    if variant.quantized_gemv_kernel:
+        return "cpu_gemv_quantized"
     if variant.gemv_kernel:
         return "cpu_gemv"
     return "gemv" if variant.gemv else "onednn" if variant.packed_linears else "torch"
@@ -60,8 +69,9 @@ def passes_label(passes: PassReport) -> str:
 
 def format_table(rows: Sequence[WarmupRow]) -> str:
     """One line per graph: bucket, cache hit or miss, its rewrites (summed up, then each
-    per-bucket pass's result), seconds to compile or load, saved."""
-    header = ("bucket", "cache", "linears", "attention", "passes", "compile s", "load s", "saved")
+    per-bucket pass's result), seconds to compile or load, saved, and how the linears hold their
+    weights (the quantization, or the model dtype)."""
+    header = ("bucket", "cache", "linears", "attention", "passes", "compile s", "load s", "saved", "weights")
     lines = [header]
     for row in rows:
         build = row.build
@@ -76,6 +86,7 @@ def format_table(rows: Sequence[WarmupRow]) -> str:
                 "-" if hit else f"{build.seconds:.2f}",
                 f"{build.seconds:.2f}" if hit else "-",
                 "yes" if build.saved else "no",
+                row.weights,
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

@@ -46,6 +46,7 @@ from compiled_engine.distributed.layout import VOCAB_EMBEDDING, TensorParallelLa
 from compiled_engine.errors import ModelLoadError, UnsupportedModelError
 from compiled_engine.model_loader.checkpoint_keys import CheckpointKeyPlan, plan_checkpoint_keys
 from compiled_engine.model_loader.model_config import SUPPORTED_DTYPES, ModelConfig, config_dtype
+from compiled_engine.model_loader.quantized_checkpoint import QuantizedCheckpoint, checkpoint_quantization
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,22 +82,37 @@ def load_model(
     model_class = _causal_lm_class(hf_config, model_dir)
     target_dtype = _resolve_dtype(dtype, hf_config, model_dir)
     shards = _find_weight_files(model_dir)
+    quantization = checkpoint_quantization(
+        getattr(hf_config, "quantization_config", None), model_dir / "config.json"
+    )
     model_config = ModelConfig.from_hf(
         hf_config,
         model_dir / "generation_config.json",
         architecture=model_class.__name__,
         dtype=target_dtype,
+        quantization=quantization,
     )
 
     model = _build_on_meta(model_class, hf_config, target_dtype, model_dir)
     layout = TensorParallelLayout.for_model(model, *tensor_parallel) if tensor_parallel else None
     _materialise_non_persistent_buffers(model, device, model_dir)
     where = _checkpoint_names(shards)
+    quantized = None
+    if quantization is not None:
+        # The quantized linears' tensors are read apart (model_loader/quantized_checkpoint.py); the
+        # plain path fills their `weight`s with the dequantized values.
+        quantized = QuantizedCheckpoint.read(where, quantization, target_dtype)
+        compressed = QuantizedCheckpoint.compressed_names(where)
+        where = {name: path for name, path in where.items() if name not in compressed}
     plan = plan_checkpoint_keys(model, where)
     _check_unmatched(plan, model, model_dir)
     tensors = _read_tensors(where, plan, model, device, layout)
+    if quantized is not None:
+        tensors.update(quantized.dequantized)
     _assign_weights(model, tensors, target_dtype, model_dir, layout)
     _check_nothing_on_meta(model, model_dir)
+    if quantized is not None:
+        quantized.attach(model)
     if layout is not None:
         for path, style in layout.communicating_modules:
             if style == VOCAB_EMBEDDING:

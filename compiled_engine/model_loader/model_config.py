@@ -15,6 +15,7 @@ import torch
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from compiled_engine.errors import ModelLoadError, UnsupportedModelError
+from compiled_engine.records.weight_quantization import WeightQuantization
 
 # The engine runs these weight dtypes; config.json spells them as strings.
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
@@ -43,6 +44,8 @@ class ModelConfig:
     bos_token_id: int | None
     # One entry per layer: the window in tokens, or FULL_ATTENTION (-1).
     sliding_windows: tuple[int, ...]
+    # The checkpoint's own weight quantization (config.json's quantization_config), None if it has none.
+    quantization: WeightQuantization | None = None
 
     @classmethod
     def from_hf(
@@ -52,6 +55,7 @@ class ModelConfig:
         *,
         architecture: str | None = None,
         dtype: torch.dtype | None = None,
+        quantization: WeightQuantization | None = None,
     ) -> ModelConfig:
         """Read a transformers `PretrainedConfig` (+ optional generation_config.json).
 
@@ -83,6 +87,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(text_config, generation_config_path),
             bos_token_id=getattr(text_config, "bos_token_id", None),
             sliding_windows=_sliding_windows(text_config, num_layers),
+            quantization=quantization,
         )
 
 

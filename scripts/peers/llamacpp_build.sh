@@ -20,8 +20,8 @@ if [ ! -d "$DIR/src" ]; then
 fi
 cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
-nice cmake --build "$DIR/build" -j "$JOBS" --target llama-batched-bench llama-bench
-cp "$DIR/build/bin/llama-batched-bench" "$DIR/build/bin/llama-bench" "$DIR/bin/"
+nice cmake --build "$DIR/build" -j "$JOBS" --target llama-batched-bench llama-bench llama-quantize
+cp "$DIR/build/bin/llama-batched-bench" "$DIR/build/bin/llama-bench" "$DIR/build/bin/llama-quantize" "$DIR/bin/"
 # The mixed-length throughput driver (bench/peers/llamacpp_mixed.cpp), against the same static libs.
 B="$DIR/build"
 nice g++ -O3 -march=native -std=c++17 -I "$DIR/src/include" -I "$DIR/src/ggml/include" \

@@ -1,0 +1,291 @@
+// y = x dequant(W)^T (+ b) for a few rows of x, W int8 (a scale per output feature) or int4 (a scale
+// and zero per group of input features): the C++ GEMV of kernels/cpu_gemv.cpp over quantized weights.
+//
+// Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
+// through ctypes by kernels/cpu_gemv_quantized.py, which packs the weights and documents the contract.
+//
+// Why: one-token decode is a read of every weight; int8 halves the bytes of bf16 and int4 quarters
+// them, so a kernel that streams the packed integers once, on every core, and widens them in
+// registers is bound by those fewer bytes. Layouts (64 output features side by side, as cpu_gemv.cpp):
+//
+//   int8:  packed[block][k][64]       int8               scales[block][64]         float32
+//   int4:  packed[block][k / 2][64]   uint8: k even in the low nibble, k odd in the high one,
+//                                     values 0..15
+//          scales[block][group][64], offsets[block][group][64]  float32, w = q * scale + offset
+//
+// (offset = zero - 8 * scale folds torch's "q - 8" into one multiply-add.) Features past
+// out_features are packed as zeros. int4 sums q * x per group in float32, then adds
+// scale * that sum + offset * (sum of the group's x). Accumulation is float32 in every path.
+//
+// Paths (`isa`): >= 1 = AVX-512F (the integers widened with vpmovsxbd / vpmovzxbd), 0 = plain C++
+// loops over the same layout. The caller picks the best this CPU has; tests force the portable one.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output features per packed block
+constexpr int kMaxRows = 4;     // rows per pass over a block
+
+enum Dtype { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float v) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load_any(const void* p, int64_t i, int dtype) {
+  switch (dtype) {
+    case kFloat32: return static_cast<const float*>(p)[i];
+    case kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+  }
+}
+
+inline void store_any(void* p, int64_t i, float v, int dtype) {
+  switch (dtype) {
+    case kFloat32: static_cast<float*>(p)[i] = v; break;
+    case kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+    default: static_cast<_Float16*>(p)[i] = static_cast<_Float16>(v); break;
+  }
+}
+
+struct Problem {
+  const float* x;        // [rows, in_features] as float32, contiguous
+  const float* x_sums;   // int4: [rows, groups] sums of x per group
+  int64_t rows;
+  const void* packed;
+  const float* scales;
+  const float* offsets;  // int4 only
+  int64_t group_size;    // int4 only
+  const void* bias;      // [out_features] in the output dtype, or null
+  void* out;             // [rows, out_features], contiguous, in `dtype`
+  int64_t in_features;
+  int64_t out_features;
+  int dtype;
+};
+
+inline void finish_block(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc,
+                         bool scaled) {
+  const int64_t first = block * kBlock;
+  const int64_t count = std::min(kBlock, p.out_features - first);
+  const float* scales = p.scales + block * kBlock;
+  for (int r = 0; r < nrows; ++r) {
+    void* out_row = static_cast<char*>(p.out) + (row0 + r) * p.out_features * (p.dtype == kFloat32 ? 4 : 2);
+    for (int64_t f = 0; f < count; ++f) {
+      float v = acc[r * kBlock + f];
+      if (scaled) v *= scales[f];
+      if (p.bias != nullptr) v += load_any(p.bias, first + f, p.dtype);
+      store_any(out_row, first + f, v, p.dtype);
+    }
+  }
+}
+
+// ---- portable paths ------------------------------------------------------------------------
+
+void int8_block_portable(const Problem& p, int64_t block, int64_t row0, int nrows) {
+  float acc[kMaxRows * kBlock] = {};
+  const int8_t* w = static_cast<const int8_t*>(p.packed) + block * p.in_features * kBlock;
+  for (int64_t k = 0; k < p.in_features; ++k, w += kBlock)
+    for (int r = 0; r < nrows; ++r) {
+      const float xv = p.x[(row0 + r) * p.in_features + k];
+      for (int64_t f = 0; f < kBlock; ++f) acc[r * kBlock + f] += static_cast<float>(w[f]) * xv;
+    }
+  finish_block(p, block, row0, nrows, acc, true);
+}
+
+void int4_block_portable(const Problem& p, int64_t block, int64_t row0, int nrows) {
+  float acc[kMaxRows * kBlock] = {};
+  const int64_t groups = p.in_features / p.group_size;
+  const uint8_t* w = static_cast<const uint8_t*>(p.packed) + block * (p.in_features / 2) * kBlock;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* scales = p.scales + (block * groups + g) * kBlock;
+    const float* offsets = p.offsets + (block * groups + g) * kBlock;
+    for (int r = 0; r < nrows; ++r) {
+      float sums[kBlock] = {};
+      const float* x = p.x + (row0 + r) * p.in_features + g * p.group_size;
+      const uint8_t* wg = w + g * (p.group_size / 2) * kBlock;
+      for (int64_t kk = 0; kk < p.group_size / 2; ++kk) {
+        const uint8_t* wk = wg + kk * kBlock;
+        for (int64_t f = 0; f < kBlock; ++f)
+          sums[f] += static_cast<float>(wk[f] & 0x0F) * x[2 * kk] + static_cast<float>(wk[f] >> 4) * x[2 * kk + 1];
+      }
+      const float x_sum = p.x_sums[(row0 + r) * groups + g];
+      for (int64_t f = 0; f < kBlock; ++f) acc[r * kBlock + f] += sums[f] * scales[f] + offsets[f] * x_sum;
+    }
+  }
+  finish_block(p, block, row0, nrows, acc, false);
+}
+
+#if defined(__x86_64__)
+
+// ---- AVX-512 paths -------------------------------------------------------------------------
+
+template <int R>
+CE_AVX512 void int8_block_avx512(const Problem& p, int64_t block, int64_t row0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k_count = p.in_features;
+  const float* x0 = p.x + row0 * k_count;
+  const int8_t* w = static_cast<const int8_t*>(p.packed) + block * k_count * kBlock;
+  for (int64_t k = 0; k < k_count; ++k, w += kBlock) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j)
+      wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j))));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x0[r * k_count + k]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  alignas(64) float sums[R * kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + r * kBlock + 16 * j, acc[r][j]);
+  finish_block(p, block, row0, R, sums, true);
+}
+
+template <int R>
+CE_AVX512 void int4_block_avx512(const Problem& p, int64_t block, int64_t row0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k_count = p.in_features;
+  const int64_t groups = k_count / p.group_size;
+  const float* x0 = p.x + row0 * k_count;
+  const uint8_t* w = static_cast<const uint8_t*>(p.packed) + block * (k_count / 2) * kBlock;
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 sums[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_setzero_ps();
+    const int64_t k_first = g * p.group_size;
+    for (int64_t k = k_first; k < k_first + p.group_size; k += 2, w += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+      __m512 even[4], odd[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j));
+        even[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low_mask)));
+        odd[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low_mask)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xe = _mm512_set1_ps(x0[r * k_count + k]);
+        const __m512 xo = _mm512_set1_ps(x0[r * k_count + k + 1]);
+        for (int j = 0; j < 4; ++j) {
+          sums[r][j] = _mm512_fmadd_ps(even[j], xe, sums[r][j]);
+          sums[r][j] = _mm512_fmadd_ps(odd[j], xo, sums[r][j]);
+        }
+      }
+    }
+    const float* scales = p.scales + (block * groups + g) * kBlock;
+    const float* offsets = p.offsets + (block * groups + g) * kBlock;
+    for (int j = 0; j < 4; ++j) {
+      const __m512 scale = _mm512_loadu_ps(scales + 16 * j);
+      const __m512 offset = _mm512_loadu_ps(offsets + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x_sum = _mm512_set1_ps(p.x_sums[(row0 + r) * groups + g]);
+        acc[r][j] = _mm512_fmadd_ps(sums[r][j], scale, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(offset, x_sum, acc[r][j]);
+      }
+    }
+  }
+  alignas(64) float out[R * kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
+  finish_block(p, block, row0, R, out, false);
+}
+
+#endif
+
+template <bool kInt4>
+void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa) {
+#if defined(__x86_64__)
+  if (isa >= 1) {
+    if constexpr (kInt4) {
+      switch (nrows) {
+        case 1: return int4_block_avx512<1>(p, block, row0);
+        case 2: return int4_block_avx512<2>(p, block, row0);
+        case 3: return int4_block_avx512<3>(p, block, row0);
+        default: return int4_block_avx512<4>(p, block, row0);
+      }
+    } else {
+      switch (nrows) {
+        case 1: return int8_block_avx512<1>(p, block, row0);
+        case 2: return int8_block_avx512<2>(p, block, row0);
+        case 3: return int8_block_avx512<3>(p, block, row0);
+        default: return int8_block_avx512<4>(p, block, row0);
+      }
+    }
+  }
+#endif
+  if constexpr (kInt4) int4_block_portable(p, block, row0, nrows);
+  else int8_block_portable(p, block, row0, nrows);
+}
+
+template <bool kInt4>
+int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+        const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+        int64_t out_features, int dtype, int isa, int num_threads) {
+  if (rows < 0 || in_features < 1 || out_features < 1 || dtype < 0 || dtype > 2) return 1;
+  if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
+  if (rows == 0) return 0;
+  // x once as float32 (and, for int4, its per-group sums: the offsets' multiplier).
+  std::vector<float> x_float(rows * in_features);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = static_cast<const char*>(x) + r * x_stride * (dtype == kFloat32 ? 4 : 2);
+    for (int64_t k = 0; k < in_features; ++k) x_float[r * in_features + k] = load_any(row, k, dtype);
+  }
+  const int64_t groups = kInt4 ? in_features / group_size : 0;
+  std::vector<float> x_sums(rows * groups, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t k = 0; k < group_size; ++k) x_sums[r * groups + g] += x_float[r * in_features + g * group_size + k];
+  Problem p{x_float.data(), x_sums.data(), rows, packed, scales, offsets, group_size,
+            bias, out, in_features, out_features, dtype};
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows)
+      run_block<kInt4>(p, block, row0, static_cast<int>(std::min<int64_t>(kMaxRows, rows - row0)), isa);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Both return 0, or 1 for bad arguments. `isa` as in the header (the caller checked the CPU has it).
+int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
+                     int num_threads) {
+  return run<false>(x, x_stride, rows, packed, scales, nullptr, 0, bias, out, in_features, out_features, dtype,
+                    isa, num_threads);
+}
+
+int ce_cpu_gemv_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+                     int64_t out_features, int dtype, int isa, int num_threads) {
+  return run<true>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
+                   out_features, dtype, isa, num_threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,291 @@
+"""`compiled_engine::cpu_gemv_int8` / `cpu_gemv_int4`: quantized linears for a few token rows
+through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight variants.
+
+Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
+the other (graphs/passes/cpu_gemv_quantized.py) in the buckets where the GEMV policy measured this
+one faster (graphs/gemv_policy.py). As for kernels/cpu_gemv.py, the graph keeps the canonical
+quantized tensors (kernels/weight_quantization.py) and `PACKED_QUANTIZED_WEIGHTS` keeps the copy
+packed in the kernel's 64-feature blocks (the .cpp header), weakly keyed on the quantized weight
+and repacked if it changes in place. The library is built at first use
+(kernels/cpu_attention_build.py, keyed by source, compiler and CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+import weakref
+from functools import cache
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from compiled_engine.kernels import cpu_attention_build
+from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
+from compiled_engine.kernels.cpu_gemv import BLOCK, ISA_AVX512, ISA_NAMES, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.source_version import files_version, module_file
+from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES
+
+SOURCE = Path(__file__).with_name("cpu_gemv_quantized.cpp")
+CPU_GEMV_QUANTIZED_VERSION = files_version(
+    module_file(__name__), module_file(cpu_attention_build.__name__), SOURCE
+)
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_LOCK = threading.Lock()
+_loaded: ctypes.CDLL | None = None
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def load(directory: Path | None = None) -> ctypes.CDLL:
+    """The loaded library (built first if needed); the same handle for the whole process."""
+    global _loaded
+    with _LOCK:
+        if _loaded is None:
+            path = cpu_attention_build.build(directory, SOURCE)
+            try:
+                library = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
+            library.ce_cpu_gemv_int8.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT]
+            library.ce_cpu_gemv_int8.restype = _INT
+            library.ce_cpu_gemv_int4.argtypes = [
+                _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT,
+            ]  # fmt: skip
+            library.ce_cpu_gemv_int4.restype = _INT
+            _loaded = library
+        return _loaded
+
+
+def cpu_gemv_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether the kernels can run quantized linears with `dtype` activations on `device` here."""
+    if torch.device(device).type != "cpu" or dtype not in QUANTIZED_DTYPES:
+        return False
+    try:
+        load()
+    except CpuKernelBuildError:
+        return False
+    return True
+
+
+def _blocks(rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / 64) * 64, ...], padded with `fill`."""
+    n = rows.shape[0]
+    padded = -(-n // BLOCK) * BLOCK
+    if padded == n:
+        return rows
+    return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, padded - n), value=fill)
+
+
+def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and scales [N] -> packed [blocks, K, 64] int8 and scales [blocks, 64] float32."""
+    with torch.no_grad():
+        q = _blocks(qweight)
+        packed = q.view(-1, BLOCK, q.shape[1]).permute(0, 2, 1).contiguous()
+        return packed, _blocks(scales.float()[:, None]).view(-1, BLOCK).contiguous()
+
+
+def pack_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 nibbles [N, K / 2], scales and zeros [N, G] -> packed [blocks, K / 2, 64] uint8 (the same
+    bytes, features side by side), scales and offsets (zero - 8 * scale) [blocks, G, 64] float32."""
+    with torch.no_grad():
+        q = _blocks(qweight, fill=0x88)  # padded features: q = 8 everywhere, scale 0, offset 0
+        packed = q.view(-1, BLOCK, q.shape[1]).permute(0, 2, 1).contiguous()
+        s, z = scales.float(), zeros.float()
+        offsets = z - 8 * s
+        groups = s.shape[1]
+        as_blocks = lambda t: _blocks(t).view(-1, BLOCK, groups).permute(0, 2, 1).contiguous()  # noqa: E731
+        return packed, as_blocks(s), as_blocks(offsets)
+
+
+class PackedQuantizedWeight(NamedTuple):
+    version: tuple[int, ...]  # the operands' version counters when packed (-1: inference tensors)
+    tensors: tuple[torch.Tensor, ...]  # packed weight, scales[, offsets]: kept alive for the pointers
+    pointers: tuple[int, ...]
+    out_features: int
+    in_features: int
+
+
+def _version(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version
+
+
+class PackedQuantizedWeights:
+    """Packed copies of quantized weights, keyed by the `qweight` tensor object (held weakly)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], PackedQuantizedWeight]] = {}
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def get(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+        group_size: int | None = None,
+    ) -> PackedQuantizedWeight:
+        key = id(qweight)
+        version = tuple(_version(t) for t in (qweight, scales, *(() if zeros is None else (zeros,))))
+        found = self._copies.get(key)
+        if found is not None and found[0]() is qweight and found[1].version == version:
+            return found[1]
+        if zeros is None:
+            tensors: tuple[torch.Tensor, ...] = pack_int8(qweight, scales)
+            in_features = qweight.shape[1]
+        else:
+            assert group_size is not None
+            tensors = pack_int4(qweight, scales, zeros, group_size)
+            in_features = 2 * qweight.shape[1]
+        entry = PackedQuantizedWeight(
+            version, tensors, tuple(t.data_ptr() for t in tensors), qweight.shape[0], in_features
+        )
+        self._copies[key] = (weakref.ref(qweight, functools.partial(self._forget, key)), entry)
+        return entry
+
+    def _forget(self, key: int, _dead: object = None) -> None:
+        found = self._copies.get(key)
+        if found is not None and found[0]() is None:
+            del self._copies[key]
+
+
+PACKED_QUANTIZED_WEIGHTS = PackedQuantizedWeights()
+
+
+def _checked_rows(x: torch.Tensor, in_features: int, isa: int | None) -> tuple[torch.Tensor, int]:
+    if x.dtype not in _DTYPE_CODES:
+        raise ValueError(f"cpu_gemv_quantized takes float32, bfloat16 or float16 activations, got {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"cpu_gemv_quantized: x has {x.shape[-1]} features, the weight takes {in_features}")
+    chosen = best_isa() if isa is None else isa
+    if chosen > best_isa():
+        raise ValueError(f"cpu_gemv_quantized: this CPU cannot run the {ISA_NAMES.get(chosen, chosen)} path")
+    rows = x.reshape(-1, in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    # The kernels have AVX-512F and portable paths only (no BF16 dot product: the weights are integers).
+    return rows, ISA_AVX512 if chosen >= ISA_AVX512 else ISA_PORTABLE
+
+
+def _bias(bias: torch.Tensor | None, x: torch.Tensor) -> Any:
+    if bias is None:
+        return None
+    if bias.dtype != x.dtype:
+        raise ValueError(f"cpu_gemv_quantized: bias is {bias.dtype}, x is {x.dtype}")
+    return bias.contiguous()
+
+
+def cpu_gemv_int8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    isa: int | None = None,
+) -> torch.Tensor:
+    """x @ (qweight * scales[:, None])^T (+ bias) through the kernel; `isa` forces a path (tests)."""
+    entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales)
+    rows, path = _checked_rows(x, entry.in_features, isa)
+    bias = _bias(bias, x)
+    out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
+    packed, packed_scales = entry.pointers
+    code = _int8_kernel()(
+        rows.data_ptr(), entry.in_features, rows.shape[0], packed, packed_scales,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), entry.in_features, entry.out_features,
+        _DTYPE_CODES[x.dtype], path, torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"cpu_gemv_int8: the kernel rejected its arguments (code {code})")
+    return out
+
+
+def cpu_gemv_int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    isa: int | None = None,
+) -> torch.Tensor:
+    """x @ dequantized(int4 qweight)^T (+ bias) through the kernel; `isa` forces a path (tests)."""
+    entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
+    rows, path = _checked_rows(x, entry.in_features, isa)
+    bias = _bias(bias, x)
+    out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
+    packed, packed_scales, offsets = entry.pointers
+    code = _int4_kernel()(
+        rows.data_ptr(), entry.in_features, rows.shape[0], packed, packed_scales, offsets, group_size,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), entry.in_features, entry.out_features,
+        _DTYPE_CODES[x.dtype], path, torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"cpu_gemv_int4: the kernel rejected its arguments (code {code})")
+    return out
+
+
+@cache
+def _int8_kernel() -> Any:
+    return load().ce_cpu_gemv_int8
+
+
+@cache
+def _int4_kernel() -> Any:
+    return load().ce_cpu_gemv_int4
+
+
+def _int8_op(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return cpu_gemv_int8_linear(x, qweight, scales, bias)
+
+
+def _int4_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return cpu_gemv_int4_linear(x, qweight, scales, zeros, group_size, bias)
+
+
+def _int8_fake(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+def _int4_fake(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+_LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
+_LIBRARY.define("cpu_gemv_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
+_LIBRARY.define(
+    "cpu_gemv_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
+    "Tensor? bias) -> Tensor"
+)
+_LIBRARY.impl("cpu_gemv_int8", _int8_op, "CPU")
+_LIBRARY.impl("cpu_gemv_int4", _int4_op, "CPU")
+torch.library.register_fake("compiled_engine::cpu_gemv_int8", _int8_fake, lib=_LIBRARY)
+torch.library.register_fake("compiled_engine::cpu_gemv_int4", _int4_fake, lib=_LIBRARY)
+
+# The same maths as kernels/quantized_linear.py's int8_weight_linear / int4_weight_linear.
+cpu_gemv_int8 = torch.ops.compiled_engine.cpu_gemv_int8.default
+cpu_gemv_int4 = torch.ops.compiled_engine.cpu_gemv_int4.default
