@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 from compiled_engine.kernels.cpu_gemv import BLOCK, ISA_AVX512, ISA_NAMES, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.quantized_linear import int4_linear_fake, int8_linear_fake
 from compiled_engine.kernels.source_version import files_version, module_file
 from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES
 
@@ -258,23 +259,6 @@ def _int4_op(
     return cpu_gemv_int4_linear(x, qweight, scales, zeros, group_size, bias)
 
 
-def _int8_fake(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-
-def _int4_fake(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-
 _LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
 _LIBRARY.define("cpu_gemv_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
 _LIBRARY.define(
@@ -283,8 +267,8 @@ _LIBRARY.define(
 )
 _LIBRARY.impl("cpu_gemv_int8", _int8_op, "CPU")
 _LIBRARY.impl("cpu_gemv_int4", _int4_op, "CPU")
-torch.library.register_fake("compiled_engine::cpu_gemv_int8", _int8_fake, lib=_LIBRARY)
-torch.library.register_fake("compiled_engine::cpu_gemv_int4", _int4_fake, lib=_LIBRARY)
+torch.library.register_fake("compiled_engine::cpu_gemv_int8", int8_linear_fake, lib=_LIBRARY)
+torch.library.register_fake("compiled_engine::cpu_gemv_int4", int4_linear_fake, lib=_LIBRARY)
 
 # The same maths as kernels/quantized_linear.py's int8_weight_linear / int4_weight_linear.
 cpu_gemv_int8 = torch.ops.compiled_engine.cpu_gemv_int8.default

@@ -117,13 +117,14 @@ def _int4_weight_linear(
     return out.reshape(*x.shape[:-1], n)
 
 
-def _int8_fake(
+# The output's shape, for tracing; shared with the C++ GEMV's ops (kernels/cpu_gemv_quantized.py).
+def int8_linear_fake(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-def _int4_fake(
+def int4_linear_fake(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -143,8 +144,8 @@ _LIBRARY.define(
 )
 _LIBRARY.impl("int8_weight_linear", _int8_weight_linear, "CPU")
 _LIBRARY.impl("int4_weight_linear", _int4_weight_linear, "CPU")
-torch.library.register_fake("compiled_engine::int8_weight_linear", _int8_fake, lib=_LIBRARY)
-torch.library.register_fake("compiled_engine::int4_weight_linear", _int4_fake, lib=_LIBRARY)
+torch.library.register_fake("compiled_engine::int8_weight_linear", int8_linear_fake, lib=_LIBRARY)
+torch.library.register_fake("compiled_engine::int4_weight_linear", int4_linear_fake, lib=_LIBRARY)
 
 # x @ dequantized(qweight)^T (+ bias), on torch's int8 / int4 CPU kernels (module docstring).
 int8_weight_linear = torch.ops.compiled_engine.int8_weight_linear.default
