@@ -671,3 +671,21 @@ def test_no_threshold_takes_a_prompt_up_to_the_budget():
 def test_a_bad_long_prefill_threshold_is_refused(value):
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 0"):
         make_scheduler(long_prefill_token_threshold=value)
+
+
+def test_preemptions_of_a_step_that_scheduled_nothing_reach_the_next_step():
+    # The engine runs no step for an empty output, so the runner (its persistent batch) learns of
+    # a preemption only from a step that runs: a victim's row must not keep its old block table.
+    scheduler = make_scheduler(num_kv_blocks=4)
+    scheduler.add_request(make_request("a", prompt_len=4, max_tokens=4))
+    step(scheduler)  # its first block is full: the next token needs a second one
+    pool = scheduler.kv_cache_manager.block_pool
+    held = pool.allocate(pool.num_free_blocks)  # none left: "a" can only preempt itself
+    empty = scheduler.schedule()
+    assert empty.is_empty and empty.preempted_request_ids == ("a",)
+    pool.free(held)
+    out, _ = step(scheduler)
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert out.preempted_request_ids == ("a",)  # applied before the step's own rows
+    out, _ = step(scheduler)
+    assert out.preempted_request_ids == ()

@@ -102,6 +102,9 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._finished_since_last_schedule: list[str] = []
+        # Preempted by a step that scheduled nothing: the runner hears of departures only with a
+        # step it runs, so they go out again with the next step that schedules something.
+        self._preempted_unsent: list[str] = []
         # Steps handed out by schedule() and not yet passed to update(), oldest first.
         self._in_flight: deque[_InFlightStep] = deque()
         # Keys of the blocks the steps in flight are computing (with multiplicity).
@@ -290,21 +293,27 @@ class Scheduler:
         output = SchedulerOutput(
             scheduled=tuple(scheduled),
             num_batched_tokens=self._config.max_num_batched_tokens - budget,
-            preempted_request_ids=tuple(preempted_ids),
+            preempted_request_ids=(*self._preempted_unsent, *preempted_ids),
             finished_request_ids=finished_ids,
         )
-        if scheduled:
-            for s, request in zip(scheduled, scheduled_requests, strict=True):
-                request.num_in_flight_tokens += len(s.token_ids)
-                request.num_pending_outputs += s.sample
-                if s.num_draft_tokens:
-                    request.has_proposals_in_flight = True
-            requests = {r.request_id: r for r in scheduled_requests}
-            self._in_flight.append(
-                _InFlightStep(output, requests, scheduled_requests, computing_block_hashes=computing)
-            )
-            if computing:
-                self._computing_block_hashes.update(computing)
+        if not scheduled:
+            # The engine runs no step for an empty output, so the runner never sees these
+            # preemptions; a victim's row would keep its old block table when it comes back
+            # (a finished request's row is only reclaimed late, which is harmless).
+            self._preempted_unsent += preempted_ids
+            return output
+        self._preempted_unsent.clear()
+        for s, request in zip(scheduled, scheduled_requests, strict=True):
+            request.num_in_flight_tokens += len(s.token_ids)
+            request.num_pending_outputs += s.sample
+            if s.num_draft_tokens:
+                request.has_proposals_in_flight = True
+        requests = {r.request_id: r for r in scheduled_requests}
+        self._in_flight.append(
+            _InFlightStep(output, requests, scheduled_requests, computing_block_hashes=computing)
+        )
+        if computing:
+            self._computing_block_hashes.update(computing)
         return output
 
     def update(
