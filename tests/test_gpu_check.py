@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Every section but "Tensor parallel, 2 ranks vs 1" (a third of the run): the default run checks the
 # same 2-rank compiled engine against one rank on gloo in tests/test_tensor_parallel.py
 # (test_two_ranks_compiled_match_one_rank[qwen3]); the section itself runs under -m slow below.
-ALL_BUT_TENSOR_PARALLEL = "environment,attention,graphs,models,engine start,parity,timings"
+ALL_BUT_TENSOR_PARALLEL = "environment,attention,graphs,models,engine start,parity,timings,quantized"
 
 
 def _quick(tmp_path_factory, only: str):
