@@ -31,7 +31,7 @@ BUCKETS = (1, 2, 4, 8, 16)
     [
         (True, False),
         pytest.param(False, False, marks=pytest.mark.slow),
-        (True, True),
+        pytest.param(True, True, marks=pytest.mark.slow),
         pytest.param(True, "kernel", marks=pytest.mark.slow),
     ],
     ids=["fused", "unfused", "packed", "kernel"],
