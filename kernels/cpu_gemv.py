@@ -22,6 +22,7 @@ import ctypes
 import functools
 import threading
 import weakref
+from collections.abc import Callable, Container
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -94,15 +95,26 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
         return _loaded
 
 
-def cpu_gemv_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether the kernel can run a `dtype` linear on `device` here (building it if needed)."""
-    if torch.device(device).type != "cpu" or dtype not in _DTYPE_CODES:
+def kernel_available(
+    load_kernel: Callable[[], object],
+    dtypes: Container[torch.dtype],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> bool:
+    """Whether a built-at-first-use CPU kernel (`load_kernel` builds and loads it) runs `dtype`
+    on `device` here: a CPU device, a dtype it takes, and a library that builds and loads."""
+    if torch.device(device).type != "cpu" or dtype not in dtypes:
         return False
     try:
-        load()
+        load_kernel()
     except CpuKernelBuildError:
         return False
     return True
+
+
+def cpu_gemv_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether the kernel can run a `dtype` linear on `device` here (building it if needed)."""
+    return kernel_available(load, _DTYPE_CODES, dtype, device)
 
 
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
-from compiled_engine.kernels.cpu_gemv import BLOCK, ISA_AVX512, ISA_NAMES, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.cpu_gemv import (
+    BLOCK,
+    ISA_AVX512,
+    ISA_NAMES,
+    ISA_PORTABLE,
+    best_isa,
+    kernel_available,
+)
 from compiled_engine.kernels.quantized_linear import int4_linear_fake, int8_linear_fake
 from compiled_engine.kernels.source_version import files_version, module_file
 from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES
@@ -65,13 +72,7 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
 
 def cpu_gemv_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether the kernels can run quantized linears with `dtype` activations on `device` here."""
-    if torch.device(device).type != "cpu" or dtype not in QUANTIZED_DTYPES:
-        return False
-    try:
-        load()
-    except CpuKernelBuildError:
-        return False
-    return True
+    return kernel_available(load, QUANTIZED_DTYPES, dtype, device)
 
 
 def _blocks(rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
