@@ -124,8 +124,9 @@ class EngineArgs:
     )
     long_prefill_token_threshold: int = option(
         0,
-        "most prompt tokens one request prefills per step (0: up to the step budget); a small "
-        "value bounds how much a new prompt lengthens the steps of requests already decoding",
+        "most prompt tokens one request prefills per step (0: up to the step budget); while any "
+        "request decodes, also the most prompt tokens of the whole step, so a small value bounds "
+        "how much new prompts lengthen the steps of requests already decoding",
     )
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(

@@ -18,7 +18,7 @@ which it got.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -136,6 +136,7 @@ def build_step_graph(
     attention_backend: AttentionBackend,
     tensor_parallel: TensorParallelLayout | None,
     compiler: CompilerProcess | None = None,
+    before_inductor: Callable[[], None] | None = None,
 ) -> StepGraph:
     """The step graph `config` asks for (enforce_eager, the buckets, fuse_linears, the compile policy).
 
@@ -143,6 +144,8 @@ def build_step_graph(
     room graphs/traced_step.py's `check_buffer_room` asks for. `cache`: where compiled graphs are
     kept (None: compiled in memory only). `attention_backend`: resolved (kernels/backends.py).
     `compiler`: how to start the background compiler (the "background" policy only).
+    `before_inductor`: called before Inductor first compiles or loads a graph (the engine's
+    graphs/inductor_warmup.py probes).
     """
     if config.enforce_eager:
         captured = capture_model(
@@ -177,6 +180,7 @@ def build_step_graph(
         quantization=config.quantization,
         policy=config.compile_policy,
         compiler=compiler,
+        before_inductor=before_inductor,
     )
 
 

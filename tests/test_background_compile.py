@@ -27,6 +27,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.entrypoints.openai.api_server import build_app
 from compiled_engine.graphs.background_builds import COMPILED, FAILED, LOADING
+from compiled_engine.graphs.inductor_warmup import InductorProbes
 from tests.test_server import ServerThread, _get, _metrics
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -62,9 +63,17 @@ def _background(llama_dir, cache_dir, **kwargs) -> LLM:
     return LLM(llama_dir, cache_dir=str(cache_dir), compile_policy="background", **{**SETTINGS, **kwargs})
 
 
-def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(tmp_path, llama_dir, eager_tokens):
+def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(
+    tmp_path, llama_dir, eager_tokens, monkeypatch
+):
+    # Inductor's CPU probes (~15 s on a cold Inductor cache) are waited for only before the first
+    # graph load, never by a start that loads nothing (graphs/inductor_warmup.py).
+    probe_waits = []
+    real_wait = InductorProbes.wait
+    monkeypatch.setattr(InductorProbes, "wait", lambda self: probe_waits.append(1) or real_wait(self))
     threads = torch.get_num_threads()
     llm = _background(llama_dir, tmp_path)
+    assert probe_waits == []
     step = llm.engine.model_runner.step_graph
     assert step.background is not None
     if threads > 1:  # a step leaves the running compiler a core, and puts it back afterwards
@@ -87,6 +96,7 @@ def test_a_cold_engine_never_waits_on_a_compile_and_matches_eager(tmp_path, llam
     stats = llm.stats()
     assert stats.graph_waits == ()
     assert stats.graphs.ready == stats.graphs.total == 4 and stats.graphs.all_built
+    assert probe_waits  # the loads waited for the probes first
     walked = set()
     before = stats.num_fallback_steps
     for batch in WORKLOAD:

@@ -660,6 +660,28 @@ def test_a_long_prefill_threshold_caps_each_prompt_chunk_beside_decodes():
     assert tokens_per_request(out) == {"decoding": 1, "long": 1}  # it samples once its prompt is in
 
 
+def test_a_long_prefill_threshold_caps_the_prompts_of_a_whole_step_while_one_decodes():
+    scheduler = make_scheduler(long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("decoding", prompt_len=5))
+    step(scheduler)
+    for name in ("a", "b"):
+        scheduler.add_request(make_request(name, prompt_len=12))
+    steps = []
+    while True:
+        counts = tokens_per_request(step(scheduler)[0])
+        assert counts.pop("decoding") == 1
+        steps.append(counts)
+        if sum(c for s in steps for c in s.values()) >= 24:
+            break
+    # Together, not 8 each: the decoding request waits for at most 8 prompt tokens per step.
+    assert steps == [{"a": 8}, {"a": 4, "b": 4}, {"a": 1, "b": 8}]
+    # With nothing decoding, each prompt may take the threshold in the same step.
+    idle = make_scheduler(long_prefill_token_threshold=8)
+    for name in ("c", "d"):
+        idle.add_request(make_request(name, prompt_len=12))
+    assert tokens_per_request(step(idle)[0]) == {"c": 8, "d": 8}
+
+
 def test_no_threshold_takes_a_prompt_up_to_the_budget():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("long", prompt_len=30))

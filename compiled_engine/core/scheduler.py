@@ -5,7 +5,9 @@ Policy, in one place:
   arrival order. A decoding request takes 1 token; one still prefilling (a long prompt, or a
   recompute after preemption) takes what remains of its known tokens, cut to the budget left
   (and to `long_prefill_token_threshold` when set), so long prompts are chunked across steps and
-  mix with decodes.
+  mix with decodes. While any running request decodes, the threshold also caps the prompt tokens
+  of the whole step (vLLM caps each request only): several prompts arriving together then cannot
+  stack into one long step that every decoding stream waits for.
 - A running request that cannot get blocks preempts the NEWEST running request (possibly
   itself): its blocks are freed and it goes back to the HEAD of the queue to recompute
   prompt + outputs later. The oldest request can therefore always take the whole cache, and
@@ -194,6 +196,18 @@ class Scheduler:
         threshold = self._config.long_prefill_token_threshold
         return threshold if threshold > 0 else self._config.max_num_batched_tokens
 
+    def _prefill_room(self) -> int:
+        """Most prompt (or recompute) tokens the whole step may take: the long-prefill threshold
+        while a running request decodes, so its next token waits for at most that many; else the
+        step budget."""
+        threshold = self._config.long_prefill_token_threshold
+        if threshold > 0:
+            for request in self._running:
+                start = request.num_computed_tokens + request.num_in_flight_tokens
+                if request.history.num_tokens + request.num_pending_outputs - start <= 1:
+                    return threshold
+        return self._config.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         if len(self._in_flight) >= self._config.max_in_flight_steps:
             raise RuntimeError(
@@ -207,6 +221,7 @@ class Scheduler:
         computing: list[bytes] = []  # keys of the full blocks this step completes
         # Hoisted out of the loop below, which runs once per running request every step.
         prefill_cap = self._prefill_cap
+        prefill_room = self._prefill_room()
         allocate_slots = self._kv_cache_manager.allocate_slots
         caching = self._config.enable_prefix_caching
         block_size = self._config.block_size
@@ -230,12 +245,20 @@ class Scheduler:
                 index += 1
                 continue
             start = request.num_computed_tokens + request.num_in_flight_tokens
-            num_new_tokens = min(request.history.num_tokens + pending - start, budget, prefill_cap)
-            if num_new_tokens <= 0:
+            num_known = request.history.num_tokens + pending - start
+            if num_known <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has no token to compute; "
                     "update() was not applied to its last step"
                 )
+            if num_known > 1:  # a prompt (or recompute) chunk
+                if prefill_room <= 0:
+                    index += 1
+                    continue
+                num_new_tokens = min(num_known, budget, prefill_cap, prefill_room)
+                prefill_room -= num_new_tokens
+            else:
+                num_new_tokens = 1
             drafts: tuple[int, ...] = ()
             if can_speculate and start == request.history.num_tokens - 1:
                 drafts = self._propose(request, budget)
@@ -263,7 +286,11 @@ class Scheduler:
         # A step that had to preempt is short of blocks: admitting new work now would only
         # take blocks the running requests need next step (and could re-admit the victim).
         if not preempted_ids:
-            while self._waiting and len(self._running) < self._config.max_num_seqs and budget > 0:
+            while (
+                self._waiting
+                and len(self._running) < self._config.max_num_seqs
+                and min(budget, prefill_room) > 0
+            ):
                 admissible = self._next_admissible()  # nothing computed, nothing in flight
                 if admissible is None:
                     break  # the waiting ones' grammars are still compiling
@@ -272,7 +299,7 @@ class Scheduler:
                 if self._next_block_is_being_computed(request, len(cached_blocks), computing):
                     break  # FCFS: later requests do not overtake the head of the queue
                 num_cached_tokens = len(cached_blocks) * self._config.block_size
-                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget, self._prefill_cap)
+                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget, prefill_cap, prefill_room)
                 end = num_cached_tokens + num_new_tokens
                 if not self._kv_cache_manager.allocate_slots(request.request_id, end, cached_blocks):
                     break
@@ -287,6 +314,7 @@ class Scheduler:
                 scheduled_requests.append(request)
                 computing += self._completed_block_hashes(request, num_new_tokens)
                 budget -= num_new_tokens
+                prefill_room -= num_new_tokens
 
         finished_ids = tuple(self._finished_since_last_schedule)
         self._finished_since_last_schedule.clear()

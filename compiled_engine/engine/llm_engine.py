@@ -30,7 +30,7 @@ from compiled_engine.engine.output_processor import OutputProcessor
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
-from compiled_engine.graphs.inductor_warmup import finish_cpu_probes, start_cpu_probes
+from compiled_engine.graphs.inductor_warmup import InductorProbes
 from compiled_engine.kernels.weight_quantization import check_model_quantizable
 from compiled_engine.model_loader.loader import LoadedModel, load_model
 from compiled_engine.outputs import RequestOutput
@@ -103,8 +103,9 @@ class LLMEngine:
     def _build(self, args: EngineArgs, device: torch.device) -> None:
         """Load the model, resolve the options against it, size the KV cache, build the runner
         (warmed up, so an un-lowerable model fails at start-up), connect the stages."""
-        # Inductor's CPU probes run while the model loads (graphs/inductor_warmup.py).
-        cpu_probes = None if args.enforce_eager else start_cpu_probes(device)
+        # Inductor's CPU probes run while the model loads; the step waits for them only when
+        # Inductor first runs (graphs/inductor_warmup.py).
+        probes = InductorProbes(None) if args.enforce_eager else InductorProbes.start(device)
         loaded = self._load_model(args, device)
         self.config: EngineConfig = args.create_engine_config(device, loaded.model_config)
         if self.config.quantization is not None:
@@ -113,8 +114,13 @@ class LLMEngine:
         layout = KVCacheLayout.of(loaded, self.config)
 
         def build_runner(caches: list[torch.Tensor]) -> ModelRunner:
-            finish_cpu_probes(cpu_probes)
-            runner = ModelRunner(loaded.model, caches, self.config, tensor_parallel=loaded.tensor_parallel)
+            runner = ModelRunner(
+                loaded.model,
+                caches,
+                self.config,
+                tensor_parallel=loaded.tensor_parallel,
+                before_inductor=probes.wait,
+            )
             runner.warm_up()
             return runner
 

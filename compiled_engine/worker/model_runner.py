@@ -8,7 +8,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +102,10 @@ class ModelRunner:
         config: EngineConfig,
         *,
         tensor_parallel: TensorParallelLayout | None = None,
+        before_inductor: Callable[[], None] | None = None,
     ) -> None:
-        """Runs `model` on `kv_caches` as `config` says (its block count is the caches' own)."""
+        """Runs `model` on `kv_caches` as `config` says (its block count is the caches' own).
+        `before_inductor`: called before Inductor first compiles or loads a graph here."""
         self.device = device = config.device
         cache = None if config.enforce_eager else usable_compile_cache(config.cache_dir)
         if cache is not None:
@@ -129,6 +131,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             tensor_parallel=tensor_parallel,
             compiler=self._compiler_process(config, cache, kv_caches),
+            before_inductor=before_inductor,
         )
         self.sampler = Sampler()
         # Unseeded requests share one engine-wide stream, seeded by LLM(seed=...).
