@@ -188,6 +188,12 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "shard the model over this many ranks (this process plus worker processes)"
     )
+    cpu_reserved_cores: int | None = option(
+        None,
+        "CPU cores a CPU engine's step threads leave to other work, such as the API server and its "
+        "clients (default: 1 under `compiled-engine serve` on a machine with 2+ cores, as vLLM's CPU "
+        "backend reserves one; 0 in-process, or when OMP_NUM_THREADS is set)",
+    )
     async_scheduling: bool | None = option(
         None,
         "prepare the next step while the current one runs (auto: on for CUDA, off for CPU)",
@@ -213,6 +219,10 @@ class EngineArgs:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
+        reserved = self.cpu_reserved_cores
+        bad_type = isinstance(reserved, bool) or not isinstance(reserved, int)
+        if reserved is not None and (bad_type or reserved < 0):
+            raise ValueError(f"cpu_reserved_cores must be an int >= 0 (or None: auto), got {reserved!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

@@ -63,6 +63,9 @@ COMMAND_ONLY |= {"logprobs", "verbose"}
         ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False, got 'no'"),
         ({"fuse_linears": 0}, "fuse_linears must be True or False, got 0"),
         ({"enforce_eager": None}, "enforce_eager must be True or False, got None"),
+        ({"cpu_reserved_cores": -1}, "cpu_reserved_cores must be an int >= 0 (or None: auto), got -1"),
+        ({"cpu_reserved_cores": True}, "cpu_reserved_cores must be an int >= 0 (or None: auto), got True"),
+        ({"cpu_reserved_cores": 1.5}, "cpu_reserved_cores must be an int >= 0 (or None: auto), got 1.5"),
         ({"attention_backend": "fast"}, "unknown attention_backend 'fast': choose one of auto, torch"),
         (
             {"tensor_parallel_size": 2, "async_scheduling": True},

@@ -15,9 +15,10 @@ import time
 
 import openai
 import pytest
+import torch
 
 from compiled_engine.engine.async_llm import AsyncLLM
-from compiled_engine.engine.engine_process import engine_environment
+from compiled_engine.engine.engine_process import engine_environment, serving_defaults
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
 from compiled_engine.engine_args import EngineArgs
@@ -158,3 +159,26 @@ def test_the_engine_gets_a_short_openmp_spin_unless_the_user_chose_a_policy():
     assert engine_environment({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "1000"}
     assert engine_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
     assert engine_environment({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
+
+
+def test_the_serving_engine_leaves_a_core_to_the_server_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert serving_defaults(EngineArgs()).cpu_reserved_cores == 1
+    assert serving_defaults(EngineArgs(cpu_reserved_cores=0)).cpu_reserved_cores == 0
+    assert serving_defaults(EngineArgs(cpu_reserved_cores=2)).cpu_reserved_cores == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert serving_defaults(EngineArgs()).cpu_reserved_cores == 0  # one core: nothing to spare
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert serving_defaults(EngineArgs()).cpu_reserved_cores == 0  # the user chose the threads
+
+
+def test_reserved_cores_lower_the_step_threads(llama_dir):
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        LLMEngine(EngineArgs(model=llama_dir, enforce_eager=True, num_kv_blocks=8, cpu_reserved_cores=1))
+        assert torch.get_num_threads() == max(1, cores - 1)
+    finally:
+        torch.set_num_threads(threads)

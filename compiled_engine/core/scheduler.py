@@ -299,7 +299,8 @@ class Scheduler:
                 if self._next_block_is_being_computed(request, len(cached_blocks), computing):
                     break  # FCFS: later requests do not overtake the head of the queue
                 num_cached_tokens = len(cached_blocks) * self._config.block_size
-                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget, prefill_cap, prefill_room)
+                num_uncached = request.num_tokens - num_cached_tokens
+                num_new_tokens = min(num_uncached, budget, prefill_cap, prefill_room)
                 end = num_cached_tokens + num_new_tokens
                 if not self._kv_cache_manager.allocate_slots(request.request_id, end, cached_blocks):
                     break

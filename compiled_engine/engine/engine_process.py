@@ -19,6 +19,7 @@ HTTP. The engine leaves when its parent dies (the pipe closes, or its parent pid
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -189,6 +190,16 @@ def engine_environment(environ) -> dict[str, str]:
     return env
 
 
+def serving_defaults(args):
+    """`args` (an EngineArgs) with the engine process's own defaults resolved: one core left to
+    the API server and its clients (`cpu_reserved_cores`) unless the user chose, or set
+    OMP_NUM_THREADS, or the machine has a single core."""
+    if args.cpu_reserved_cores is not None:
+        return args
+    reserved = 0 if "OMP_NUM_THREADS" in os.environ or len(os.sched_getaffinity(0)) < 2 else 1
+    return dataclasses.replace(args, cpu_reserved_cores=reserved)
+
+
 def _recv_within(conn: Connection, process: subprocess.Popen[bytes], timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.1):
@@ -294,7 +305,7 @@ def main(argv: list[str]) -> int:
     try:
         from compiled_engine.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(args)
+        engine = LLMEngine(serving_defaults(args))
         config = engine.config
         conn.send(EngineReady(config.max_model_len, config.model_dir, engine.tokenizer, engine.stats()))
         serve_engine(engine, conn)

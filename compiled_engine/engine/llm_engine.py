@@ -58,6 +58,11 @@ class LLMEngine:
                 "LLMEngine(EngineArgs(model=..., ...)), or use LLM(...)"
             )
         device = args.resolve_device()
+        if device.type == "cpu" and args.cpu_reserved_cores and args.tensor_parallel_size == 1:
+            # Steps use the cores left; the rest stay free for the API server and its clients,
+            # which would otherwise preempt a step thread that every op then waits for.
+            cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(max(1, cores - args.cpu_reserved_cores))
         self.tensor_parallel: TensorParallelRuntime | None = None
         if args.tensor_parallel_size > 1:
             device = self._join_tensor_parallel(args, device, _tensor_parallel_rank)
