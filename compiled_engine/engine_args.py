@@ -188,6 +188,11 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "shard the model over this many ranks (this process plus worker processes)"
     )
+    data_parallel_size: int = option(
+        1,
+        "engine replicas behind one server, each a process of its own with its own KV cache, "
+        "requests balanced by load (`compiled-engine serve` only)",
+    )
     cpu_reserved_cores: int | None = option(
         None,
         "CPU cores a CPU engine's step threads leave to other work, such as the API server and its "
@@ -217,7 +222,7 @@ class EngineArgs:
         if self.compile_buckets is not None and not isinstance(self.compile_buckets, tuple):
             object.__setattr__(self, "compile_buckets", tuple(self.compile_buckets))
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))
         reserved = self.cpu_reserved_cores
         bad_type = isinstance(reserved, bool) or not isinstance(reserved, int)

@@ -327,6 +327,10 @@ class AsyncLLM:
     def add_stats_listener(self, listener: RequestStatsListener) -> None:
         self._listeners.append(listener)
 
+    def replicas(self) -> Sequence[AsyncLLM | None]:
+        """The engines behind this one: itself (engine/data_parallel.py has several)."""
+        return (self,)
+
     # -- requests ---------------------------------------------------------------------------------------
 
     async def add_request(

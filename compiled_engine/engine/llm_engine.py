@@ -57,6 +57,11 @@ class LLMEngine:
                 f"LLMEngine takes an EngineArgs, got {type(args).__name__}: "
                 "LLMEngine(EngineArgs(model=..., ...)), or use LLM(...)"
             )
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs replicas behind `compiled-engine serve` "
+                "(engine/data_parallel.py); one LLMEngine is one replica"
+            )
         device = args.resolve_device()
         if device.type == "cpu" and args.cpu_reserved_cores and args.tensor_parallel_size == 1:
             # Steps use the cores left; the rest stay free for the API server and its clients,

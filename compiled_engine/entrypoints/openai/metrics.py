@@ -11,6 +11,9 @@ Each app gets its own registry: several servers in one process (tests) do not co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -58,7 +61,16 @@ class ServerMetrics:
             **labels
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency.", _E2E_BUCKETS).labels(**labels)
-        self.registry.register(_EngineStateCollector(engine, labels))
+        replicas = engine.replicas()
+        if len(replicas) == 1:
+            self.registry.register(_EngineStateCollector(partial(_replica, engine, 0), labels))
+        else:
+            # Data parallel: each replica's state under its `engine` label (vLLM's), read from
+            # whichever process serves as that replica now (a restart replaces it).
+            for index in range(len(replicas)):
+                self.registry.register(
+                    _EngineStateCollector(partial(_replica, engine, index), {**labels, "engine": str(index)})
+                )
 
     # RequestStatsListener (called on the engine thread)
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
@@ -78,14 +90,25 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _replica(engine: AsyncLLM, index: int) -> AsyncLLM | None:
+    return engine.replicas()[index]
+
+
 class _EngineStateCollector:
-    def __init__(self, engine: AsyncLLM, labels: dict[str, str]) -> None:
+    def __init__(self, engine: Callable[[], AsyncLLM | None], labels: dict[str, str]) -> None:
         self._engine = engine
         self._labels = labels
 
     def collect(self):
-        stats = self._engine.stats()
+        engine = self._engine()
         names, values = list(self._labels), list(self._labels.values())
+        if engine is None:  # a data-parallel replica being restarted
+            doc = "1 while the engine loop runs, 0 once it failed."
+            family = GaugeMetricFamily(PREFIX + "engine_healthy", doc, labels=names)
+            family.add_metric(values, 0)
+            yield family
+            return
+        stats = engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=names)
@@ -108,9 +131,9 @@ class _EngineStateCollector:
         yield gauge(
             "engine_healthy",
             "1 while the engine loop runs, 0 once it failed.",
-            0 if self._engine.errored else 1,
+            0 if engine.errored else 1,
         )
-        graphs = self._engine.graph_status()
+        graphs = engine.graph_status()
         family = GaugeMetricFamily(
             PREFIX + "graphs",
             "Compiled step graphs by state: ready, compiled (loaded on first use), compiling, queued, "
