@@ -103,6 +103,7 @@ def _bool(name: str, value: Any) -> None:
 
 # The server's tool-call parsers (entrypoints/openai/tool_parsers.py registers one under each name).
 TOOL_CALL_PARSER_CHOICES = ("hermes",)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +194,12 @@ class EngineArgs:
         "engine replicas behind one server, each a process of its own with its own KV cache, "
         "requests balanced by load (`compiled-engine serve` only)",
     )
+    distributed_executor_backend: str = option(
+        "mp",
+        "where the server's engines run: mp (processes on this machine) or ray (Ray actors, placed "
+        "on the nodes of the cluster RAY_ADDRESS names, or a local one; `compiled-engine serve` only)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
     cpu_reserved_cores: int | None = option(
         None,
         "CPU cores a CPU engine's step threads leave to other work, such as the API server and its "
@@ -277,6 +284,16 @@ class EngineArgs:
             raise ValueError(
                 f"unknown compile_policy {self.compile_policy!r}: "
                 f"choose one of {', '.join(COMPILE_POLICY_CHOICES)}"
+            )
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"unknown distributed_executor_backend {self.distributed_executor_backend!r}: "
+                f"choose one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}"
+            )
+        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='ray' places whole engine replicas for now; tensor "
+                "parallelism on Ray actors is not wired yet (use 'mp' for tensor_parallel_size > 1)"
             )
         if self.tensor_parallel_size > 1 and self.compile_policy == "background":
             raise ValueError(

@@ -39,14 +39,33 @@ ReplicaFactory = Callable[[int], AsyncLLM]
 
 
 def replica_args(args: EngineArgs, size: int) -> EngineArgs:
-    """One replica's options: a single engine; on a CPU, the cores but one (left to the API server)
-    shared out between the replicas, unless the user chose the reservation."""
-    one = replace(args, data_parallel_size=1)
+    """One replica's options: a single local engine; with local replicas on a CPU, the cores but
+    one (left to the API server) shared out between them, unless the user chose the reservation.
+    (A replica on Ray resolves its own node's cores.)"""
+    one = replace(args, data_parallel_size=1, distributed_executor_backend="mp")
+    if args.distributed_executor_backend == "ray":
+        return one
     if args.cpu_reserved_cores is not None or "OMP_NUM_THREADS" in os.environ:
         return one
     cores = len(os.sched_getaffinity(0))
     threads = max(1, (cores - 1) // size)
     return replace(one, cpu_reserved_cores=max(0, cores - threads))
+
+
+def replica_starter(args: EngineArgs, backend: str, log_requests: bool = True) -> Callable[[], AsyncLLM]:
+    """How to start one engine the server talks to: a local engine process ("mp"), or an engine in
+    a Ray actor that Ray places (spread over the nodes) ("ray")."""
+    from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
+
+    if backend == "ray":
+        from compiled_engine.engine.ray_engine import RayEngineHandle
+
+        # One CPU claimed per replica (Ray's actors claim none while running by default), spread
+        # over the nodes: replicas land on different nodes while there are free CPUs to take.
+        return lambda: ProcessAsyncLLM(
+            RayEngineHandle.start(args, num_cpus=1, scheduling_strategy="SPREAD"), log_requests=log_requests
+        )
+    return lambda: ProcessAsyncLLM.start(args, log_requests=log_requests)
 
 
 class DataParallelAsyncLLM(AsyncLLM):
@@ -91,12 +110,11 @@ class DataParallelAsyncLLM(AsyncLLM):
 
     @classmethod
     def start(cls, args: EngineArgs, *, log_requests: bool = True) -> DataParallelAsyncLLM:
-        """`args.data_parallel_size` engine processes on this machine (`ProcessAsyncLLM`)."""
-        from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
-
-        one = replica_args(args, args.data_parallel_size)
+        """`args.data_parallel_size` replicas: engine processes on this machine, or Ray actors
+        spread over the cluster's nodes (`distributed_executor_backend`)."""
         size = args.data_parallel_size
-        return cls(lambda index: ProcessAsyncLLM.start(one, log_requests=log_requests), size)
+        start_one = replica_starter(replica_args(args, size), args.distributed_executor_backend, log_requests)
+        return cls(lambda index: start_one(), size)
 
     # -- facts, from any live replica ----------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.outputs import RequestOutput
@@ -168,6 +168,15 @@ class EngineProcess:
         assert isinstance(first, EngineReady), first
         return cls(process, conn, first)
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def describe_exit(self) -> str:
+        """Why the connection closed, for the error every waiter gets."""
+        code = self.process.wait(30)
+        return f"the engine process exited unexpectedly (exit code {code})"
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Wait for the process to leave (it was told to shut down), else kill it."""
         try:
@@ -226,7 +235,18 @@ def _end(process: subprocess.Popen[bytes]) -> None:
 # -- the engine's side --------------------------------------------------------------------------------------
 
 
-def serve_engine(engine, conn: Connection) -> None:
+class LoopConnection(Protocol):
+    """What the engine loop uses of its connection: a `Connection` here, queues in a Ray actor
+    (engine/ray_engine.py)."""
+
+    def poll(self, timeout: float) -> bool: ...
+
+    def recv(self) -> Any: ...
+
+    def send(self, obj: Any) -> None: ...
+
+
+def serve_engine(engine, conn: LoopConnection) -> None:
     """Run `engine` (an LLMEngine) on the commands from `conn` until a Shutdown (or the parent goes)."""
     idle_stats: EngineStats | None = None  # what was last sent while idle
     while True:
@@ -274,7 +294,7 @@ def _abort(engine, command: AbortRequests, update: EngineUpdate) -> None:
     update.aborted.extend(command.request_ids)
 
 
-def _close(engine, conn: Connection) -> None:
+def _close(engine, conn: LoopConnection) -> None:
     """Shutdown: end what is still running, collect steps in flight, say so, stop the compiler."""
     try:
         engine.drain()

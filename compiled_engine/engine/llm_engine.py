@@ -57,10 +57,10 @@ class LLMEngine:
                 f"LLMEngine takes an EngineArgs, got {type(args).__name__}: "
                 "LLMEngine(EngineArgs(model=..., ...)), or use LLM(...)"
             )
-        if args.data_parallel_size > 1:
+        if args.data_parallel_size > 1 or args.distributed_executor_backend != "mp":
             raise ValueError(
-                "data_parallel_size > 1 runs replicas behind `compiled-engine serve` "
-                "(engine/data_parallel.py); one LLMEngine is one replica"
+                "data_parallel_size > 1 and distributed_executor_backend='ray' run replicas behind "
+                "`compiled-engine serve` (engine/data_parallel.py); one LLMEngine is one local replica"
             )
         device = args.resolve_device()
         if device.type == "cpu" and args.cpu_reserved_cores and args.tensor_parallel_size == 1:

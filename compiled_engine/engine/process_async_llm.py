@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from compiled_engine.engine.async_llm import (
     AsyncLLM,
@@ -46,6 +47,9 @@ from compiled_engine.engine.engine_process import (
     Shutdown,
 )
 from compiled_engine.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    from compiled_engine.engine.ray_engine import RayEngineHandle
 from compiled_engine.records.graph_status import GraphStatus
 
 logger = logging.getLogger(__name__)
@@ -58,12 +62,13 @@ class EngineStepError(RuntimeError):
 class ProcessAsyncLLM(AsyncLLM):
     def __init__(
         self,
-        engine_process: EngineProcess,
+        engine_process: EngineProcess | RayEngineHandle,
         *,
         log_requests: bool = True,
         stats_listeners: Sequence[RequestStatsListener] = (),
     ) -> None:
-        """Take over a started engine process (use `ProcessAsyncLLM.start(args)`)."""
+        """Take over a started engine process (use `ProcessAsyncLLM.start(args)`), or an engine
+        in a Ray actor (engine/ray_engine.py): the same messages either way."""
         self._process = engine_process
         self._set_up(engine_process.ready.stats, log_requests, stats_listeners)
         self._outbox: queue.SimpleQueue[_Add | _Abort | _Shutdown | None] = queue.SimpleQueue()
@@ -100,7 +105,12 @@ class ProcessAsyncLLM(AsyncLLM):
     @property
     def pid(self) -> int:
         """The engine process's id."""
-        return self._process.process.pid
+        return self._process.pid
+
+    @property
+    def node_id(self) -> str | None:
+        """The Ray node the engine runs on (engine/ray_engine.py); None for a local process."""
+        return getattr(self._process, "node_id", None)
 
     def graph_status(self) -> GraphStatus:
         # The engine reports graph changes while idle too (engine_process.IDLE_POLL_S).
@@ -154,9 +164,7 @@ class ProcessAsyncLLM(AsyncLLM):
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    code = self._process.process.wait(30)
-                    message = f"the engine process exited unexpectedly (exit code {code})"
-                    raise EngineProcessError(message) from None
+                    raise EngineProcessError(self._process.describe_exit()) from None
                 if isinstance(message, EngineUpdate):
                     self._apply(message)
                 elif isinstance(message, EngineClosed):

@@ -24,8 +24,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_engine.engine.async_llm import AsyncLLM
-from compiled_engine.engine.data_parallel import DataParallelAsyncLLM
-from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
+from compiled_engine.engine.data_parallel import DataParallelAsyncLLM, replica_args, replica_starter
 from compiled_engine.engine_args import DEFAULT_MAX_REQUEST_BYTES, ServerArgs
 from compiled_engine.entrypoints.openai.errors import OpenAIError, bad_request, error_response
 from compiled_engine.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -201,11 +200,12 @@ def run_server(args: ServerArgs) -> int:
     logging.getLogger("compiled_engine.requests").setLevel(logging.INFO)
     # The engine (and its workers) get the engine's options only: never the API key. It runs in a
     # process of its own, so its steps never hold this process's GIL (engine/process_async_llm.py).
-    engine: AsyncLLM | DataParallelAsyncLLM
-    if args.data_parallel_size > 1:
-        engine = DataParallelAsyncLLM.start(args.engine_args())
-    else:
-        engine = ProcessAsyncLLM.start(args.engine_args())
+    engine_args = args.engine_args()
+    engine: AsyncLLM
+    if engine_args.data_parallel_size > 1:
+        engine = DataParallelAsyncLLM.start(engine_args)
+    else:  # one engine: a local process, or a Ray actor
+        engine = replica_starter(replica_args(engine_args, 1), engine_args.distributed_executor_backend)()
     names = args.served_model_names()
     app = build_app(
         engine,
