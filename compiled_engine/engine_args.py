@@ -196,8 +196,9 @@ class EngineArgs:
     )
     distributed_executor_backend: str = option(
         "mp",
-        "where the server's engines run: mp (processes on this machine) or ray (Ray actors, placed "
-        "on the nodes of the cluster RAY_ADDRESS names, or a local one; `compiled-engine serve` only)",
+        "where engines and their tensor-parallel workers run: mp (processes on this machine) or ray "
+        "(Ray actors: a served engine on any node of the cluster RAY_ADDRESS names, or of a local "
+        "one; tensor-parallel workers on their rank 0's node)",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )
     cpu_reserved_cores: int | None = option(
@@ -289,11 +290,6 @@ class EngineArgs:
             raise ValueError(
                 f"unknown distributed_executor_backend {self.distributed_executor_backend!r}: "
                 f"choose one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}"
-            )
-        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "distributed_executor_backend='ray' places whole engine replicas for now; tensor "
-                "parallelism on Ray actors is not wired yet (use 'mp' for tensor_parallel_size > 1)"
             )
         if self.tensor_parallel_size > 1 and self.compile_policy == "background":
             raise ValueError(

@@ -1,6 +1,6 @@
-"""distributed_executor_backend="ray": engine replicas as Ray actors on a Ray test cluster of two
-simulated nodes (Ray's own `ray.cluster_utils.Cluster`), behind a real server on 127.0.0.1 driven
-by the official `openai` client."""
+"""distributed_executor_backend="ray" on Ray's own test cluster of two simulated nodes
+(`ray.cluster_utils.Cluster`): engine replicas as Ray actors behind a real server on 127.0.0.1
+driven by the official `openai` client, and tensor-parallel workers as Ray actors."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 
-def _engine_actors() -> list[str]:
-    found = subprocess.run(["pgrep", "-f", "ray::EngineActor"], capture_output=True, text=True)
+def _engine_actors(name: str = "EngineActor") -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"ray::{name}"], capture_output=True, text=True)
     return found.stdout.split()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_node_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
@@ -81,3 +81,24 @@ def test_ray_replicas_on_two_nodes_match_one_engine_and_a_killed_one_comes_back(
     while _engine_actors() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _engine_actors() == [], "an engine actor outlived the server"
+
+
+@pytest.mark.slow  # a Ray cluster and a worker actor
+def test_tensor_parallel_workers_on_ray_match_one_process(two_node_cluster, model_dirs):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [8, 1, 4]}]
+    options = dict(dtype="float32", enforce_eager=True, num_kv_blocks=32)
+    single = LLM(model_dirs["llama"], **options)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, greedy, use_tqdm=False)]
+    del single
+    llm = LLM(model_dirs["llama"], tensor_parallel_size=2, distributed_executor_backend="ray", **options)
+    try:
+        assert _engine_actors("TensorParallelActor")  # rank 1 runs in a Ray actor
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.close()
+    assert got == expected
+    deadline = time.monotonic() + 30
+    while _engine_actors("TensorParallelActor") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _engine_actors("TensorParallelActor") == []

@@ -22,7 +22,7 @@ from compiled_engine.distributed.runner_messages import (
     ResetAfterFailure,
     RunnerMessage,
 )
-from compiled_engine.distributed.workers import TensorParallelWorkerError, WorkerProcesses
+from compiled_engine.distributed.workers import TensorParallelWorkerError, Workers
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner import LaunchedT, Runner, RunnerTimeline
 from compiled_engine.records.runner_output import ModelRunnerOutput
@@ -41,7 +41,7 @@ class StatefulRunner(Runner[LaunchedT], Protocol[LaunchedT]):
 
 class BroadcastingRunner(Generic[LaunchedT]):
     def __init__(
-        self, runner: StatefulRunner[LaunchedT], group: TensorParallelGroup, workers: WorkerProcesses
+        self, runner: StatefulRunner[LaunchedT], group: TensorParallelGroup, workers: Workers
     ) -> None:
         self._runner = runner
         self._group = group

@@ -9,7 +9,7 @@ import torch
 from compiled_engine.distributed.process_group import RendezvousAddress, TensorParallelGroup
 from compiled_engine.distributed.runner_messages import Shutdown
 from compiled_engine.distributed.worker_main import ServeRank
-from compiled_engine.distributed.workers import WorkerProcesses
+from compiled_engine.distributed.workers import WorkerProcesses, Workers
 
 
 @dataclass
@@ -17,7 +17,7 @@ class TensorParallelRuntime:
     rank: int
     world_size: int
     group: TensorParallelGroup
-    workers: WorkerProcesses | None  # rank 0 only
+    workers: Workers | None  # rank 0 only
 
     @classmethod
     def start(
@@ -26,8 +26,10 @@ class TensorParallelRuntime:
         device: torch.device,
         serve_rank: ServeRank,
         rank_and_address: tuple[int, RendezvousAddress] | None,
+        launcher: str = "mp",
     ) -> TensorParallelRuntime:
-        """Rank 0 (`rank_and_address` None): spawn the workers, then join; a worker: join.
+        """Rank 0 (`rank_and_address` None): start the workers — spawned processes ("mp") or Ray
+        actors on this node ("ray", distributed/ray_workers.py) — then join; a worker: join.
 
         Each worker runs `serve_rank`, which the engine provides: it builds the worker's rank
         with the engine's own constructor, so the runtime needs to know nothing of the engine.
@@ -36,7 +38,13 @@ class TensorParallelRuntime:
             rank, address = rank_and_address
             return cls(rank, world_size, TensorParallelGroup(rank, world_size, address, device), None)
         address = RendezvousAddress.on_localhost()
-        workers = WorkerProcesses(world_size, address, serve_rank)
+        workers: Workers
+        if launcher == "ray":
+            from compiled_engine.distributed.ray_workers import RayWorkers
+
+            workers = RayWorkers(world_size, address, serve_rank)
+        else:
+            workers = WorkerProcesses(world_size, address, serve_rank)
         try:
             workers.wait_joining()
             group = TensorParallelGroup(0, world_size, address, device)
@@ -48,8 +56,7 @@ class TensorParallelRuntime:
     def abort(self) -> None:
         """Rank 0 failed while building: the workers may sit in any collective, so end them."""
         if self.workers is not None:
-            for process in self.workers.processes:
-                process.kill()
+            self.workers.kill()
             self.workers.stop()
             self.workers = None
         self.group.close()

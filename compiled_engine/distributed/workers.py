@@ -12,7 +12,7 @@ import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.worker_main import ServeRank, run_worker
@@ -32,6 +32,20 @@ class _Report:
     kind: str  # "joining" or "error"
     rank: int
     text: str = ""
+
+
+class Workers(Protocol):
+    """Rank 0's handle on ranks 1..N-1: spawned processes here, Ray actors in ray_workers.py."""
+
+    def wait_joining(self, timeout_s: float = ...) -> None: ...
+
+    def failure(self) -> str | None: ...
+
+    def wait_for_failure(self, timeout_s: float = ...) -> str | None: ...
+
+    def kill(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class WorkerProcesses:
@@ -101,6 +115,10 @@ class WorkerProcesses:
         while (failure := self.failure()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return failure
+
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
 
     def stop(self) -> None:
         """Wait for the workers to leave (after the group told them to), then make sure they have."""

@@ -57,10 +57,10 @@ class LLMEngine:
                 f"LLMEngine takes an EngineArgs, got {type(args).__name__}: "
                 "LLMEngine(EngineArgs(model=..., ...)), or use LLM(...)"
             )
-        if args.data_parallel_size > 1 or args.distributed_executor_backend != "mp":
+        if args.data_parallel_size > 1:
             raise ValueError(
-                "data_parallel_size > 1 and distributed_executor_backend='ray' run replicas behind "
-                "`compiled-engine serve` (engine/data_parallel.py); one LLMEngine is one local replica"
+                "data_parallel_size > 1 runs replicas behind `compiled-engine serve` "
+                "(engine/data_parallel.py); one LLMEngine is one replica"
             )
         device = args.resolve_device()
         if device.type == "cpu" and args.cpu_reserved_cores and args.tensor_parallel_size == 1:
@@ -106,7 +106,11 @@ class LLMEngine:
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         self.tensor_parallel = TensorParallelRuntime.start(
-            args.tensor_parallel_size, device, partial(serve_tensor_parallel_rank, args), rank_and_address
+            args.tensor_parallel_size,
+            device,
+            partial(serve_tensor_parallel_rank, args),
+            rank_and_address,
+            launcher=args.distributed_executor_backend,
         )
         return device
 
