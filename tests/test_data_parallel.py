@@ -75,6 +75,27 @@ def test_replicas_share_64_streams_and_a_killed_one_fails_alone_then_returns(lla
         assert metrics["compiled_engine:engine_healthy{engine=0}"] == 1
         assert metrics["compiled_engine:engine_healthy{engine=1}"] == 1
 
+        # Prompts sharing a 80-token head go to one replica, whose prefix cache then serves them.
+        shared = list(range(3, 83))
+        hits_before = [r.stats().prefix_cache_hits for r in engine.replicas() if r is not None]
+
+        async def shared_prefix_requests() -> None:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            try:
+                for tail in range(6):
+                    await client.completions.create(
+                        model=MODEL, prompt=[*shared, 90 + tail], max_tokens=2, **GREEDY
+                    )
+            finally:
+                await client.close()
+
+        asyncio.run(shared_prefix_requests())
+        assert engine.num_affine_picks == 5
+        gained = [
+            r.stats().prefix_cache_hits - h for r, h in zip(engine.replicas(), hits_before, strict=True)
+        ]
+        assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 5 * 64, gained
+
         victim = first_pids[0]
 
         async def kill_replica_0_mid_run() -> None:

@@ -7,6 +7,10 @@ cache, scheduler and compiled graphs); the server talks to this facade exactly a
   running plus waiting ones, counted where the server knows them at once: the streams it holds
   open on that replica), ties to the lowest index. Counting streams rather than reading the
   engines' step stats means a burst that arrives between two steps still spreads out.
+- **Prefix affinity.** A prompt of at least `AFFINITY_TOKENS` tokens goes where the last prompt
+  with the same first `AFFINITY_TOKENS` tokens went (a shared system prompt, few-shot examples),
+  so that replica's prefix cache serves it — unless that replica is busier than the least busy
+  one by more than `AFFINITY_SLACK` requests: then balance wins, and the prefix moves.
 - **A replica that dies** (killed, out of memory, a step that raised) fails its own requests with
   `EngineDeadError` — what one engine does — and the others go on serving. A watcher thread
   notices within `WATCH_S`, starts a fresh replica in its place (same options) and from then on
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -34,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 # How often the watcher looks for a dead replica to replace.
 WATCH_S = 0.5
+# Prefix affinity: the prompt head that names a prefix (four 16-token KV blocks), how much busier
+# than the least busy replica an affine one may be, how many prefixes are remembered.
+AFFINITY_TOKENS = 64
+AFFINITY_SLACK = 4
+AFFINITY_ENTRIES = 4096
 
 ReplicaFactory = Callable[[int], AsyncLLM]
 
@@ -68,6 +78,14 @@ def replica_starter(args: EngineArgs, backend: str, log_requests: bool = True) -
     return lambda: ProcessAsyncLLM.start(args, log_requests=log_requests)
 
 
+def _prompt_head(prompt) -> int | None:
+    """A hash of a token-id prompt's first AFFINITY_TOKENS tokens (None: shorter, or text)."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    if ids is None or len(ids) < AFFINITY_TOKENS:
+        return None
+    return hash(tuple(ids[:AFFINITY_TOKENS]))
+
+
 class DataParallelAsyncLLM(AsyncLLM):
     """AsyncLLM's serving interface over replicas (it shares none of AsyncLLM's own state: every
     call goes to a replica; `generate` is AsyncLLM's, over this `add_request`)."""
@@ -86,6 +104,8 @@ class DataParallelAsyncLLM(AsyncLLM):
         # The streams open on each replica: its load, as the server sees it at once.
         self._replica_streams: list[dict[str, RequestStream]] = [{} for _ in range(size)]
         self._adding = [0] * size  # requests picked for a replica, not yet accepted by it
+        self._prefix_home: OrderedDict[int, int] = OrderedDict()  # prompt head hash -> replica
+        self.num_affine_picks = 0
         self.num_restarts = [0] * size
         errors: list[BaseException] = []
 
@@ -180,14 +200,17 @@ class DataParallelAsyncLLM(AsyncLLM):
 
     # -- requests ------------------------------------------------------------------------------------------
 
-    def _pick(self) -> int:
+    def _pick(self, prompt) -> int:
+        head = _prompt_head(prompt)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine has been shut down")
             best: int | None = None
+            live = set()
             for index, replica in enumerate(self._replicas):
                 if replica is None or replica.errored:
                     continue
+                live.add(index)
                 streams = self._replica_streams[index]
                 for request_id in [rid for rid, s in streams.items() if s.finished]:
                     del streams[request_id]
@@ -195,6 +218,15 @@ class DataParallelAsyncLLM(AsyncLLM):
                     best = index
             if best is None:
                 raise EngineClosedError("no engine replica is serving (one is being restarted)")
+            if head is not None:
+                home = self._prefix_home.get(head)
+                if home in live and self._load(home) <= self._load(best) + AFFINITY_SLACK:
+                    best = home
+                    self.num_affine_picks += 1
+                self._prefix_home[head] = best
+                self._prefix_home.move_to_end(head)
+                if len(self._prefix_home) > AFFINITY_ENTRIES:
+                    self._prefix_home.popitem(last=False)
             self._adding[best] += 1
             return best
 
@@ -204,7 +236,7 @@ class DataParallelAsyncLLM(AsyncLLM):
     async def add_request(
         self, request_id: str, prompt, sampling_params: SamplingParams | None = None
     ) -> RequestStream:
-        index = self._pick()
+        index = self._pick(prompt)
         replica = self._replicas[index]
         assert replica is not None
         try:
