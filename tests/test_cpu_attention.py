@@ -171,6 +171,7 @@ def test_a_failing_build_names_the_compiler_error(tmp_path):
     assert not any((tmp_path / "out").iterdir()), "a failed build must leave no file behind"
 
 
+@pytest.mark.slow  # two full kernel builds (~18 s): the default run's budget
 def test_a_damaged_library_is_rebuilt_with_a_warning(monkeypatch, tmp_path, caplog):
     good = cpu_attention_build.build(tmp_path)
     good.write_bytes(b"not a shared library")  # as a failed disk would leave it

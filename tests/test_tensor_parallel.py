@@ -326,6 +326,7 @@ def test_a_failed_start_leaves_no_worker_behind(llama_dir):
         LLM(llama_dir, tensor_parallel_size=0, **ENGINE)
 
 
+@pytest.mark.slow  # two ranks started by the console script (~24 s); the default run tests 2 ranks in-process
 def test_the_cli_generates_the_same_text_with_two_ranks(llama_dir, capsys):
     # The console script is the spawned workers' parent here: its main module must be import-safe.
     import subprocess
