@@ -136,18 +136,20 @@ def test_a_draft_with_another_tokenizer_is_refused_at_load(llama_dir, draft_dir,
 
 # --- greedy outputs are the target's ---------------------------------------------------------
 
-PROMPTS = [[1, 17, 42, 99, 5], [1, 200, 201, 202, 203, 204, 205, 206, 207, 208], [1, 3], [1, 77] * 9]
+PROMPTS = [[1, 17, 42, 99, 5], [1, 200, 201, 202, 203, 204, 205, 206, 207, 208], [1, 77] * 9]
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def eager_reference(llama_dir):
     llm = LLM(llama_dir, dtype="float32", enforce_eager=True, max_model_len=128)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+# k = 3 in the default run (each engine costs a few seconds); every k with -m slow.
+@pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.slow) if k != 3 else k for k in range(1, 6)])
 def test_greedy_outputs_match_without_speculation_for_each_k(k, llama_dir, draft_dir, eager_reference):
     llm = LLM(
         llama_dir,
@@ -156,7 +158,7 @@ def test_greedy_outputs_match_without_speculation_for_each_k(k, llama_dir, draft
         max_model_len=128,
         speculative_config=draft(draft_dir, k),
     )
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == eager_reference
     _assert_draft_ran_and_nothing_leaked(llm)
@@ -165,15 +167,42 @@ def test_greedy_outputs_match_without_speculation_for_each_k(k, llama_dir, draft
 
 # --- randomised requests under KV pressure, against the engine without speculation -------------
 
+EAGER_OPTIONS = {**ENGINE_OPTIONS, "enforce_eager": True}
 
+
+@pytest.fixture(scope="module")
+def eager_baseline(llama_dir):
+    """The cheap default run's reference: the eager engine without speculation, synchronous."""
+    llm = LLM(llama_dir, async_scheduling=False, **EAGER_OPTIONS)
+    results: dict[int, dict] = {}
+
+    def get(size: int):
+        if size not in results:
+            results[size] = _run(llm, _workload(size))
+        return results[size]
+
+    return get
+
+
+@pytest.mark.parametrize("async_", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_greedy_outputs_match_under_kv_pressure_eager(async_, llama_dir, draft_dir, eager_baseline):
+    """The default run's version: 24 requests, eager (no compile), prefix caching on."""
+    llm = LLM(
+        llama_dir,
+        enable_prefix_caching=True,
+        async_scheduling=async_,
+        speculative_config=draft(draft_dir, 3),
+        **EAGER_OPTIONS,
+    )
+    assert _run(llm, _workload(24)) == eager_baseline(24)
+    assert llm.stats().num_preemptions > 0, "the workload was meant to force preemption"
+    _assert_draft_ran_and_nothing_leaked(llm)
+
+
+# The compiled engines, 60 and 200 requests, each loop with and without prefix caching.
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "async_,caching,size",
-    [
-        (True, True, 60),
-        pytest.param(False, False, 60, marks=pytest.mark.slow),
-        pytest.param(True, False, 200, marks=pytest.mark.slow),
-        pytest.param(False, True, 200, marks=pytest.mark.slow),
-    ],
+    "async_,caching,size", [(True, True, 60), (False, False, 60), (True, False, 200), (False, True, 200)]
 )
 def test_greedy_outputs_match_under_kv_pressure(async_, caching, size, llama_dir, draft_dir, baseline):  # noqa: F811
     llm = LLM(
