@@ -251,7 +251,9 @@ class Scheduler:
                 if drafts:
                     num_new_tokens = 1 + len(drafts)
             if drafts:
+                # A grammar may keep fewer of the proposals (their blocks stay allocated).
                 scheduled.append(self._speculative_request(request, start, drafts))
+                num_new_tokens = len(scheduled[-1].token_ids)
             elif not allocate_slots(request.request_id, start + num_new_tokens):
                 if self._in_flight:
                     return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
@@ -414,12 +416,12 @@ class Scheduler:
     @staticmethod
     def _can_speculate(request: Request) -> bool:
         """Whether a request's next tokens can be verified in a run: its sampling distribution must
-        not depend on the tokens before it in the run — which penalties, a pending min_tokens and a
-        grammar do (logit_bias is left to the plain path too: the verifier applies none)."""
+        not depend on the tokens before it in the run — which penalties and a pending min_tokens do
+        (logit_bias is left to the plain path too: the verifier applies none). A grammar's mask
+        does too, but it is computed per proposed position (`_speculative_request`)."""
         params = request.sampling_params
         return (
-            request.grammar is None
-            and not params.has_penalties
+            not params.has_penalties
             and not params.logit_bias
             and len(request.history.output_token_ids) + request.num_pending_outputs >= params.min_tokens
         )
@@ -461,7 +463,13 @@ class Scheduler:
         history = request.history
         outputs = history.output_token_ids
         newest = outputs[-1] if outputs else history.prompt_token_ids[-1]
-        return ScheduledRequest(
+        final_mask = proposal_masks = None
+        if request.grammar is not None:
+            # Structured outputs: a mask per proposed position; proposals the grammar forbids go.
+            masks = request.grammar.proposal_bitmasks(outputs, drafts)
+            drafts, final_mask = drafts[: len(masks) - 1], masks[-1]
+            proposal_masks = tuple(masks[:-1])
+        scheduled = ScheduledRequest(
             request.request_id,
             (newest, *drafts),
             start,
@@ -469,9 +477,11 @@ class Scheduler:
             True,
             request.sampling_params,
             len(outputs),
-            None,
+            final_mask,
             len(drafts),
+            proposal_masks if drafts else None,
         )
+        return scheduled
 
     def _update_speculative(
         self, request: Request, scheduled: ScheduledRequest, token_id: int, num_accepted: int
