@@ -48,12 +48,12 @@ Prefix caching (`enable_prefix_caching`, core/kv_cache_manager.py):
 
 Speculative decoding (`speculative`, docs/speculative_decoding.md), while at most
 `disable_by_batch_size` requests run:
-- a decoding request that can speculate (no grammar, penalties, logit_bias or pending
-  min_tokens) gets up to k proposed tokens (core/ngram_proposer.py, or a draft model through
-  records/draft_proposer.py) after its newest token, in one step: fewer if the budget,
-  max_tokens or max_model_len leave no room, none if blocks for them are short (proposals never
-  preempt anyone); a draft model writes its own cache in the same blocks, so they are allocated
-  before it proposes;
+- a decoding request that can speculate (no penalties, logit_bias or pending min_tokens; a
+  grammar masks each proposed position, and drops those it forbids) gets up to k proposed
+  tokens (core/ngram_proposer.py, or a draft model through records/draft_proposer.py) after its
+  newest token, in one step: fewer if the budget, max_tokens or max_model_len leave no room, none
+  if blocks for them are short (proposals never preempt anyone); a draft model writes its own
+  cache in the same blocks, so they are allocated before it proposes;
 - its proposals need its newest token, so with a step in flight sampling for it, it waits;
 - `update()` appends the accepted proposals and the sampled token one by one, with the stop checks
   after each (nothing after a stop is emitted), and counts only the accepted tokens as computed:
