@@ -1,4 +1,5 @@
-"""Speculative decoding (#22): n-gram proposals against none, same run, the embedded model.
+"""Speculative decoding (#22): n-gram and draft-model proposals against none, same run, the
+embedded model.
 
     python -m pytest bench/test_speculative.py -q -p no:cacheprovider \
         --benchmark-columns=median,min,rounds --benchmark-json=OUT.json
@@ -8,12 +9,19 @@ Code completion: prompts from held-out stdlib files (bench/speculative.py), 128 
 prompt per round, a different one each round; "64 requests": all at once, where the batch-size
 cut-off (`disable_by_batch_size`) should leave speculation off, so no slower than none. Each row's
 extra_info has tokens/s and, for ngram, the acceptance rate and mean accepted length over its rounds.
-Targets (issue #22): ngram >= 1.5x none's tokens/s at 1 request; no slower at 64.
+Targets (issue #22): ngram >= 1.5x none's tokens/s at 1 request; no slower at 64; the same for the
+draft model.
+
+The draft model is the one shipped beside the embedded model (compiled_engine/default_model_draft),
+or the folder in COMPILED_ENGINE_BENCH_DRAFT (one trained with scripts/train_default_model.py's
+draft command); without either its rows are skipped.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +29,12 @@ from bench.speculative import completion_prompts
 from compiled_engine import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "compiled_engine" / "default_model_draft"
+DRAFT_DIR = os.environ.get("COMPILED_ENGINE_BENCH_DRAFT") or (
+    str(SHIPPED_DRAFT) if (SHIPPED_DRAFT / "config.json").is_file() else None
+)
+DRAFT = {"method": "draft_model", "model": DRAFT_DIR, "num_speculative_tokens": 4}
+METHODS = ["none", "ngram", "draft_model"]
 # (prompt tokens, new tokens, rounds, batch size) per size profile; smoke runs each path once, eagerly.
 SIZES = {"full": (512, 128, 5, 64), "quick": (256, 64, 3, 32), "smoke": (64, 8, 1, 4)}
 
@@ -34,6 +48,8 @@ def engines(request):
         max_num_seqs=batch, compile_policy="blocking", enforce_eager=smoke, enable_prefix_caching=False
     )
     built = {"none": LLM(**options), "ngram": LLM(speculative_config=NGRAM, **options)}
+    if DRAFT_DIR is not None:
+        built["draft_model"] = LLM(speculative_config=DRAFT, **options)
     yield built
     for llm in built.values():
         llm.close()
@@ -76,19 +92,25 @@ def _run(benchmark, llm: LLM, prompts: list[list[int]], max_tokens: int, rounds:
     )
 
 
-@pytest.mark.parametrize("method", ["none", "ngram"])
+def _engine(engines: dict[str, LLM], method: str) -> LLM:
+    if method not in engines:
+        pytest.skip("no draft model: none shipped, COMPILED_ENGINE_BENCH_DRAFT not set")
+    return engines[method]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_speculative_one_request(benchmark, request, engines, method):
     prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
-    llm = engines[method]
+    llm = _engine(engines, method)
     prompts = completion_prompts(llm.get_tokenizer(), rounds, prompt_tokens)
     benchmark.group = f"speculative decoding, 1 request x {new_tokens} tokens"
     _run(benchmark, llm, prompts, new_tokens, rounds, 1)
 
 
-@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("method", METHODS)
 def test_speculative_batch(benchmark, request, engines, method):
     prompt_tokens, new_tokens, rounds, batch = SIZES[request.config._bench_sizes.profile]
-    llm = engines[method]
+    llm = _engine(engines, method)
     prompts = completion_prompts(llm.get_tokenizer(), batch, prompt_tokens // 2)
     benchmark.group = f"speculative decoding, {batch} requests x {new_tokens} tokens"
     _run(benchmark, llm, prompts * rounds, new_tokens, rounds, batch)

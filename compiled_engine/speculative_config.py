@@ -1,8 +1,9 @@
 """Speculative decoding's settings (vLLM's `speculative_config` shape), checked once.
 
 `LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`, or on the command line
-`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`. Only the n-gram
-(prompt-lookup) method is implemented; docs/speculative_decoding.md says how it works.
+`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`; or a smaller model with
+the target's tokenizer proposing: `{"method": "draft_model", "model": DIR, "num_speculative_tokens":
+4}`. docs/speculative_decoding.md says how each works.
 
 Like `sampling_params`, this module imports nothing of the engine: the scheduler's config, the
 engine's options and the CLI all read the same frozen record.
@@ -11,12 +12,13 @@ engine's options and the CLI all read the same frozen record.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 # Methods this engine implements; others vLLM knows are refused by name.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's defaults for prompt lookup: when neither bound is given both are 5, when one is given
 # the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -38,6 +40,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # longest suffix n-gram looked up
     # Steps with more running requests than this speculate for none of them.
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # method "draft_model": the draft's folder (the target's tokenizer and vocabulary, checked at
+    # load); None for "ngram".
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -45,6 +50,19 @@ class SpeculativeConfig:
                 f"speculative_config: unknown method {self.method!r}: choose one of "
                 f"{', '.join(SPECULATIVE_METHODS)}"
             )
+        if self.method == "draft_model":
+            if not isinstance(self.model, str | os.PathLike) or not str(self.model):
+                raise ValueError(
+                    "speculative_config: method 'draft_model' needs 'model', the draft model's folder"
+                )
+            object.__setattr__(self, "model", str(self.model))
+            if not os.path.isdir(self.model):
+                raise ValueError(
+                    f"speculative_config: the draft model folder {self.model!r} does not exist "
+                    "or is not a directory"
+                )
+        elif self.model is not None:
+            raise ValueError(f"speculative_config: 'model' is for method 'draft_model', not {self.method!r}")
         for name in (
             "num_speculative_tokens",
             "prompt_lookup_min",

@@ -9,6 +9,15 @@ The run is seeded end to end (file order, validation split, batch offsets, initi
 documented command in docs/default-model.md reproduces the shipped weights' loss within noise.
 
     python scripts/train_default_model.py --steps 1200 --batch 16 --lr 3e-3 --warmup 50 --eval-every 100
+
+Its draft for speculative decoding (docs/speculative_decoding.md) is the same recipe at a fraction of
+the size, on the same data, with the shipped model's own tokenizer (`--tokenizer-from`: loaded, not
+retrained, so the two agree on every id):
+
+    nice -n 19 python scripts/train_default_model.py --tokenizer-from compiled_engine/default_model \
+        --out compiled_engine/default_model_draft --plot docs/default-model-draft-loss.png \
+        --hidden 64 --ffn 176 --layers 2 --heads 2 --kv-heads 1 --steps 3000 --batch 16 --lr 4e-3 \
+        --eval-every 250
 """
 
 from __future__ import annotations
@@ -157,7 +166,7 @@ def validation_loss(model: LlamaForCausalLM, val_windows: torch.Tensor, batch: i
     return sum(losses) / len(losses)
 
 
-def save_loss_plot(history: dict, path: Path) -> None:
+def save_loss_plot(history: dict, path: Path, args: argparse.Namespace) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +177,7 @@ def save_loss_plot(history: dict, path: Path) -> None:
     ax.plot(history["val_steps"], history["val_loss"], "o-", lw=1.5, label="validation (held-out files)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title("Default model: 4-layer Llama on the Python stdlib")
+    ax.set_title(f"{args.layers}-layer Llama (hidden {args.hidden}) on the Python stdlib")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -192,6 +201,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="a model folder whose tokenizer to use instead of training one (a draft model's target)",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=704)
     parser.add_argument("--layers", type=int, default=4)
@@ -210,7 +225,10 @@ def main() -> None:
     started = time.perf_counter()
 
     corpus = collect_corpus(args.stdlib)
-    tokenizer = train_tokenizer(corpus.train_text, args.vocab)
+    if args.tokenizer_from is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer_from)
+    else:
+        tokenizer = train_tokenizer(corpus.train_text, args.vocab)
     train_ids = token_stream(tokenizer, corpus.train_text)
     val_ids = token_stream(tokenizer, corpus.val_text)
     span = args.context + 1  # inputs plus the shifted targets
@@ -277,7 +295,7 @@ def main() -> None:
     generation = GenerationConfig(bos_token_id=eos, eos_token_id=[eos, role_end], pad_token_id=eos)
     generation.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    save_loss_plot(history, args.plot)
+    save_loss_plot(history, args.plot, args)
     if args.log_json is not None:
         run_args = {k: str(v) for k, v in vars(args).items()}
         args.log_json.write_text(json.dumps({"args": run_args, **summary, **history}))

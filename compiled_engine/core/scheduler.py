@@ -50,10 +50,12 @@ Prefix caching (`enable_prefix_caching`, core/kv_cache_manager.py):
 
 Speculative decoding (`speculative`, docs/speculative_decoding.md), while at most
 `disable_by_batch_size` requests run:
-- a decoding request that can speculate (no grammar, penalties, logit_bias or pending
-  min_tokens) gets up to k proposed tokens (core/ngram_proposer.py) after its newest token, in one
-  step: fewer if the budget, max_tokens or max_model_len leave no room, none if blocks for
-  them are short (proposals never preempt anyone);
+- a decoding request that can speculate (no penalties, logit_bias or pending min_tokens; a
+  grammar masks each proposed position, and drops those it forbids) gets up to k proposed
+  tokens (core/ngram_proposer.py, or a draft model through records/draft_proposer.py) after its
+  newest token, in one step: fewer if the budget, max_tokens or max_model_len leave no room, none
+  if blocks for them are short (proposals never preempt anyone); a draft model writes its own
+  cache in the same blocks, so they are allocated before it proposes;
 - its proposals need its newest token, so with a step in flight sampling for it, it waits;
 - `update()` appends the accepted proposals and the sampled token one by one, with the stop checks
   after each (nothing after a stop is emitted), and counts only the accepted tokens as computed:
@@ -74,6 +76,7 @@ from compiled_engine.core.kv_cache_manager import KVCacheManager, token_range
 from compiled_engine.core.ngram_proposer import NgramProposer
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.errors import InvalidRequestError
+from compiled_engine.records.draft_proposer import DraftProposer
 from compiled_engine.records.engine_core_output import EngineCoreOutput
 from compiled_engine.records.request import FINISHED_STATUSES, Request, RequestStatus
 from compiled_engine.records.runner_output import ModelRunnerOutput
@@ -95,7 +98,8 @@ class _InFlightStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, draft_proposer: DraftProposer | None = None) -> None:
+        """`draft_proposer`: the draft model, for speculative decoding's "draft_model" method."""
         self._config = config
         self._kv_cache_manager = KVCacheManager(
             config.num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
@@ -121,8 +125,13 @@ class Scheduler:
         # request-steps that verified proposals, the proposals, and the accepted ones.
         spec = config.speculative
         self._proposer = (
-            None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec is not None and spec.method == "ngram"
+            else None
         )
+        if (spec is not None and spec.method == "draft_model") != (draft_proposer is not None):
+            raise ValueError("a draft proposer goes with speculative method 'draft_model', and only with it")
+        self._draft = draft_proposer
         self.num_spec_steps = 0
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
@@ -261,14 +270,13 @@ class Scheduler:
                 num_new_tokens = 1
             drafts: tuple[int, ...] = ()
             if can_speculate and start == request.history.num_tokens - 1:
-                drafts = self._propose(request, budget)
-                # Lookahead blocks only from free ones: proposals never preempt anyone.
-                if drafts and allocate_slots(request.request_id, start + 1 + len(drafts)):
+                drafts = self._propose(request, start, budget)
+                if drafts:
                     num_new_tokens = 1 + len(drafts)
-                else:
-                    drafts = ()
             if drafts:
+                # A grammar may keep fewer of the proposals (their blocks stay allocated).
                 scheduled.append(self._speculative_request(request, start, drafts))
+                num_new_tokens = len(scheduled[-1].token_ids)
             elif not allocate_slots(request.request_id, start + num_new_tokens):
                 if self._in_flight:
                     return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
@@ -373,7 +381,9 @@ class Scheduler:
         accepted_counts = None
         if runner_output.num_accepted_drafts is not None:
             accepted_counts = iter(runner_output.num_accepted_drafts)
-        elif self._proposer is not None and any(s.num_draft_tokens for s in scheduler_output.scheduled):
+        elif self._config.speculative is not None and any(
+            s.num_draft_tokens for s in scheduler_output.scheduled
+        ):
             raise ValueError("the step verified proposals but the runner output has no num_accepted_drafts")
         cache_computed_blocks = self._kv_cache_manager.cache_computed_blocks
         caching = self._config.enable_prefix_caching
@@ -435,21 +445,23 @@ class Scheduler:
     @staticmethod
     def _can_speculate(request: Request) -> bool:
         """Whether a request's next tokens can be verified in a run: its sampling distribution must
-        not depend on the tokens before it in the run — which penalties, a pending min_tokens and a
-        grammar do (logit_bias is left to the plain path too: the verifier applies none)."""
+        not depend on the tokens before it in the run — which penalties and a pending min_tokens do
+        (logit_bias is left to the plain path too: the verifier applies none). A grammar's mask
+        does too, but it is computed per proposed position (`_speculative_request`)."""
         params = request.sampling_params
         return (
-            request.grammar is None
-            and not params.has_penalties
+            not params.has_penalties
             and not params.logit_bias
             and len(request.history.output_token_ids) + request.num_pending_outputs >= params.min_tokens
         )
 
-    def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
-        """Proposed tokens after the request's newest one, as many as k, the step's budget, its
-        max_tokens and max_model_len allow (the token verified after them is emitted too)."""
-        spec, proposer = self._config.speculative, self._proposer
-        assert spec is not None and proposer is not None
+    def _propose(self, request: Request, start: int, budget: int) -> tuple[int, ...]:
+        """Proposed tokens after the request's newest one (at `start`), as many as k, the step's
+        budget, its max_tokens and max_model_len allow (the token verified after them is emitted
+        too), with blocks for them allocated; () when there is no proposal or no free block for
+        one (lookahead blocks come only from free ones: proposals never preempt anyone)."""
+        spec = self._config.speculative
+        assert spec is not None
         history = request.history
         room = min(
             spec.num_speculative_tokens,
@@ -461,7 +473,18 @@ class Scheduler:
             return ()
         outputs = np.asarray(history.output_token_ids, dtype=np.int64)
         tokens = np.concatenate((history.prompt_array, outputs)) if len(outputs) else history.prompt_array
-        return proposer.propose(tokens, room)
+        allocate_slots = self._kv_cache_manager.allocate_slots
+        if self._draft is not None:
+            # The draft writes its cache in the request's blocks, lookahead included: allocate first.
+            if not allocate_slots(request.request_id, start + 1 + room):
+                return ()
+            block_ids = self._kv_cache_manager.get_block_ids(request.request_id)
+            return self._draft.propose(request.request_id, tokens, block_ids, room)
+        assert self._proposer is not None
+        drafts = self._proposer.propose(tokens, room)
+        if drafts and allocate_slots(request.request_id, start + 1 + len(drafts)):
+            return drafts
+        return ()
 
     def _speculative_request(self, request: Request, start: int, drafts: tuple[int, ...]) -> ScheduledRequest:
         """A step with proposals: the request's newest token (at `start`, past what steps in flight
@@ -469,7 +492,13 @@ class Scheduler:
         history = request.history
         outputs = history.output_token_ids
         newest = outputs[-1] if outputs else history.prompt_token_ids[-1]
-        return ScheduledRequest(
+        final_mask = proposal_masks = None
+        if request.grammar is not None:
+            # Structured outputs: a mask per proposed position; proposals the grammar forbids go.
+            masks = request.grammar.proposal_bitmasks(outputs, drafts)
+            drafts, final_mask = drafts[: len(masks) - 1], masks[-1]
+            proposal_masks = tuple(masks[:-1])
+        scheduled = ScheduledRequest(
             request.request_id,
             (newest, *drafts),
             start,
@@ -477,9 +506,11 @@ class Scheduler:
             True,
             request.sampling_params,
             len(outputs),
-            None,
+            final_mask,
             len(drafts),
+            proposal_masks if drafts else None,
         )
+        return scheduled
 
     def _update_speculative(
         self, request: Request, scheduled: ScheduledRequest, token_id: int, num_accepted: int
@@ -575,6 +606,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._kv_cache_manager.free(request.request_id)
+        if self._draft is not None:
+            self._draft.forget((request.request_id,))
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -586,6 +619,8 @@ class Scheduler:
         removes it from waiting/running."""
         request.status = status
         blocks = self._kv_cache_manager.release(request.request_id)
+        if self._draft is not None:
+            self._draft.forget((request.request_id,))
         readers = [step for step in self._in_flight if request.request_id in step.requests]
         if readers:
             readers[-1].deferred_blocks.extend(blocks)

@@ -19,6 +19,7 @@ from compiled_engine.distributed.broadcasting_runner import BroadcastingRunner
 from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.runtime import TensorParallelRuntime
 from compiled_engine.distributed.worker_main import serve_runner
+from compiled_engine.engine.draft_model import build_draft_proposer
 from compiled_engine.engine.input_processor import InputProcessor, ProcessedPrompt, ValidatedPrompt
 from compiled_engine.engine.kv_cache_sizing import (
     KVCacheLayout,
@@ -87,6 +88,9 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.step_graph.close()
+        draft = getattr(self, "draft_proposer", None)
+        if draft is not None:
+            draft.close()
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()
@@ -140,6 +144,13 @@ class LLMEngine:
 
         num_kv_blocks, runner = self._size_kv_cache(loaded, layout, build_runner)
         runner = self._install_kv_cache(runner, layout.allocate(num_kv_blocks), build_runner)
+        spec = self.config.speculative
+        # Speculative decoding's draft model (engine/draft_model.py): its own runner and cache.
+        self.draft_proposer = (
+            build_draft_proposer(spec, loaded, self.config, num_kv_blocks)
+            if spec is not None and spec.method == "draft_model"
+            else None
+        )
         self._connect_stages(loaded, runner, num_kv_blocks)
 
     def _load_model(self, args: EngineArgs, device: torch.device) -> LoadedModel:
@@ -225,7 +236,8 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 speculative=config.speculative,
-            )
+            ),
+            draft_proposer=self.draft_proposer,
         )
         # This rank's runner itself, for tools that read its graphs (`compiled-engine warmup`).
         self.model_runner = runner

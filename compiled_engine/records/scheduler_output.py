@@ -33,6 +33,9 @@ class ScheduledRequest(NamedTuple):
     # Speculative decoding: the last this many of token_ids are proposed tokens, not known ones;
     # the step verifies them (docs/speculative_decoding.md). 0: a plain step.
     num_draft_tokens: int = 0
+    # Structured outputs with proposals: the grammar's mask before each proposed token (one per
+    # proposal; grammar_bitmask is the one after them, the sampling row's). None: unconstrained.
+    proposal_bitmasks: tuple[np.ndarray | None, ...] | None = None
 
 
 class SchedulerOutput(NamedTuple):

@@ -68,6 +68,40 @@ class RequestGrammar:
             return None
         return self._bitmask[0].numpy().copy()
 
+    def proposal_bitmasks(
+        self, output_token_ids: Sequence[int], proposals: Sequence[int]
+    ) -> list[np.ndarray | None]:
+        """Speculative decoding: the masks of a run of proposed tokens after `output_token_ids`.
+
+        Entry i is the mask before proposal i, for as many proposals in a row as the grammar
+        allows; the last entry is the mask after them. So `len(result) - 1` proposals are kept:
+        the first one the grammar forbids, and those after it, are dropped (the target could never
+        take it). The matcher advances through the kept ones to fill the masks and is rolled back
+        after: the request's history stays the truth (the accepted proposals come in with it).
+        """
+        first = self.next_token_bitmask(output_token_ids)
+        matcher = self._matcher
+        if matcher is None or self._rejected or matcher.is_terminated():
+            return [first]
+        masks = [first]
+        advanced = 0
+        for token_id in proposals:
+            mask = masks[-1]
+            if mask is not None and not (int(mask[token_id // 32]) >> (token_id % 32)) & 1:
+                break
+            if not matcher.accept_token(token_id):
+                break
+            advanced += 1
+            if matcher.is_terminated():
+                masks.append(self._stop_tokens_only())
+                break
+            masks.append(
+                self._bitmask[0].numpy().copy() if matcher.fill_next_token_bitmask(self._bitmask, 0) else None
+            )
+        if advanced:
+            matcher.rollback(advanced)
+        return masks
+
     def _stop_tokens_only(self) -> np.ndarray:
         mask = np.zeros(self._bitmask.shape[1], dtype=np.uint32)
         for token_id in self._stop_token_ids:

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compiled_engine.config import EngineConfig
@@ -288,6 +289,7 @@ class ModelRunner:
             )
         grammar_masks = GrammarMasks.of_rows([scheduled[row].grammar_bitmask for row in staged.sampled_rows])
         proposal_generators = self._proposal_generators(scheduled, staged)
+        proposal_masks = _proposal_grammar_masks(scheduled, staged) if staged.num_proposal_rows else None
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
         step_number = self.timeline.num_steps
@@ -312,7 +314,9 @@ class ModelRunner:
                     results = token_logprobs(sample_logits, samples.tokens, staged.num_top_logprobs)
                     _copy_logprobs(slot.buffers.sample_logprobs, results)
                 if staged.num_proposal_rows:
-                    self._verify_proposals(logits, inputs, staged, slot, tensors, proposal_generators)
+                    self._verify_proposals(
+                        logits, inputs, staged, slot, tensors, proposal_generators, proposal_masks
+                    )
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows
                 targets = self.buffers.prompt_logprob_targets(e)
@@ -363,12 +367,16 @@ class ModelRunner:
         slot: StagingSlot,
         tensors: SamplingTensors,
         generators: tuple[torch.Generator | None, ...],
+        grammar_masks: GrammarMasks | None,
     ) -> None:
         """Speculative decoding: decide which proposals the target keeps (worker/spec_verifier.py)
         and queue the results' copy to the slot; `collect` turns them into tokens."""
         first = staged.num_sampled + staged.num_prompt_logprob_rows
         d = staged.num_proposal_rows
         proposal_logits = logits[first : first + d]
+        if grammar_masks is not None:
+            # Structured outputs: each proposal row under its own position's grammar mask.
+            proposal_logits = grammar_masks.apply(proposal_logits)
         # Row i's proposal is the token fed right after it (the step's input, already on the device).
         proposed = inputs.input_ids[0].index_select(0, inputs.logits_indices[first : first + d] + 1)
         params = None
@@ -430,6 +438,18 @@ class ModelRunner:
     def close(self) -> None:
         self.stream.close()
         self.step_graph.close()
+
+
+def _proposal_grammar_masks(
+    scheduled: tuple[ScheduledRequest, ...], staged: StagedStep
+) -> GrammarMasks | None:
+    """Per proposal row, its position's grammar mask (structured outputs); None when no
+    request with proposals is constrained."""
+    masks: list[np.ndarray | None] = []
+    for row, count in zip(staged.spec_rows, staged.num_proposed, strict=True):
+        request_masks = scheduled[staged.sampled_rows[row]].proposal_bitmasks
+        masks += list(request_masks) if request_masks is not None else [None] * count
+    return GrammarMasks.of_rows(masks)
 
 
 def _copy_logprobs(
