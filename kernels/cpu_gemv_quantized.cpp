@@ -72,7 +72,7 @@ inline void store_any(void* p, int64_t i, float v, int dtype) {
 struct Problem {
   const float* x;        // [rows, in_features] as float32, contiguous
   const float* x_sums;   // int4: [rows, groups] sums of x per group
-  const int16_t* x16;    // int8 with VNNI: [rows, in_features] x in int16 per kVnniChunk features
+  const int16_t* x16;    // with VNNI: [rows, in_features] x in int16 per chunk (int8) or group (int4)
   const float* x16_scales;  // ... and each chunk's scale, [rows, chunks]
   int64_t rows;
   const void* packed;
@@ -274,6 +274,58 @@ CE_VNNI void int8_block_vnni(const Problem& p, int64_t block, int64_t row0) {
     }
   finish_block(p, block, row0, R, out, true);
 }
+
+// int4 the same way, x in int16 per quantization group (x16_scales [rows, groups]): each byte's two
+// nibbles (input features k and k + 1 of one output feature) spread into the two halves of a 32-bit
+// lane, so vpdpwssd takes a pair of input features of 16 outputs an instruction; the group's scale
+// and offset then apply once, as in the float path.
+template <int R>
+CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
+  const int64_t k_count = p.in_features;
+  const int64_t groups = k_count / p.group_size;
+  const uint8_t* w = static_cast<const uint8_t*>(p.packed) + block * (k_count / 2) * kBlock;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_si512();
+    const int64_t k_first = g * p.group_size;
+    for (int64_t k = k_first; k < k_first + p.group_size; k += 2, w += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+      __m512i pairs[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
+        // (b | b << 12) & 0x000F000F: the low nibble in bits 0-3, the high one in bits 16-19.
+        pairs[c] = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t xk;
+        std::memcpy(&xk, p.x16 + (row0 + r) * k_count + k, sizeof xk);
+        const __m512i xv = _mm512_set1_epi32(xk);
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], pairs[c], xv);
+      }
+    }
+    const float* scales = p.scales + (block * groups + g) * kBlock;
+    const float* offsets = p.offsets + (block * groups + g) * kBlock;
+    for (int c = 0; c < 4; ++c) {
+      const __m512 scale = _mm512_loadu_ps(scales + 16 * c);
+      const __m512 offset = _mm512_loadu_ps(offsets + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(p.x16_scales[(row0 + r) * groups + g]);
+        const __m512 x_sum = _mm512_set1_ps(p.x_sums[(row0 + r) * groups + g]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(scale, xs), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(offset, x_sum, acc[r][c]);
+      }
+    }
+  }
+  alignas(64) float out[R * kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * kBlock + 16 * c, acc[r][c]);
+  finish_block(p, block, row0, R, out, false);
+}
 #endif
 
 #endif
@@ -283,6 +335,16 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 #if defined(__x86_64__)
   if (isa >= 1) {
     if constexpr (kInt4) {
+#if defined(__AVX512VNNI__)
+      if (p.x16 != nullptr) {
+        switch (nrows) {
+          case 1: return int4_block_vnni<1>(p, block, row0);
+          case 2: return int4_block_vnni<2>(p, block, row0);
+          case 3: return int4_block_vnni<3>(p, block, row0);
+          default: return int4_block_vnni<4>(p, block, row0);
+        }
+      }
+#endif
       switch (nrows) {
         case 1: return int4_block_avx512<1>(p, block, row0);
         case 2: return int4_block_avx512<2>(p, block, row0);
@@ -331,19 +393,20 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t k = 0; k < group_size; ++k) x_sums[r * groups + g] += x_float[r * in_features + g * group_size + k];
-  // int8 on the AVX-512 path with VNNI, bf16 / fp16 activations, even in_features: x in int16 per
-  // chunk (int8_block_vnni); float32 activations keep the float path's exact products.
+  // The AVX-512 path with VNNI, bf16 / fp16 activations, even in_features: x in int16 per chunk
+  // (int8_block_vnni, int4_block_vnni); float32 activations keep the float path's exact products.
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
 #if defined(__x86_64__) && defined(__AVX512VNNI__)
-  if (!kInt4 && isa >= 1 && dtype != kFloat32 && in_features % 2 == 0) {
-    const int64_t chunks = (in_features + kVnniChunk - 1) / kVnniChunk;
+  if (isa >= 1 && dtype != kFloat32 && in_features % 2 == 0) {
+    const int64_t chunk_size = kInt4 ? group_size : kVnniChunk;  // int4: one scale per group
+    const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
     x16.resize(rows * in_features);
     x16_scales.resize(rows * chunks);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < chunks; ++c) {
         const float* xr = x_float.data() + r * in_features;
-        const int64_t k0 = c * kVnniChunk, k1 = std::min(in_features, k0 + kVnniChunk);
+        const int64_t k0 = c * chunk_size, k1 = std::min(in_features, k0 + chunk_size);
         float amax = 0.0f;
         for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
         const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
