@@ -1,6 +1,7 @@
 """How close the quantized GEMVs (kernels/cpu_gemv_quantized.cpp) and torch's int8/int4 kernels come
 to streaming memory: one decode row through the Qwen2.5-0.5B shape's LM head and MLP linears, each
-against `torch.sum` over a float32 tensor of the same bytes (the read rate torch reaches here).
+against `torch.sum` over a float32 tensor of the same bytes (the read rate torch reaches here), and
+against the GEMV's own float inner loop (float32 activations; bf16 ones take the VNNI loop).
 
     .venv/bin/python scripts/gemv_bandwidth.py [--threads N] [--rounds R]
 
@@ -80,6 +81,14 @@ def measure(name: str, scheme: WeightQuantization, rounds: int) -> None:
             return cpu_gemv_int8(x, q.qweight, q.scales, None)
         return cpu_gemv_int4(x, q.qweight, q.scales, q.zeros, group, None)
 
+    x32 = x.float()
+
+    def gemv_float_path() -> torch.Tensor:  # float32 activations: the float (non-VNNI) inner loop
+        q = weights[next(turn) % copies]
+        if q.zeros is None:
+            return cpu_gemv_int8(x32, q.qweight, q.scales.float(), None)
+        return cpu_gemv_int4(x32, q.qweight, q.scales.float(), q.zeros.float(), group, None)
+
     def torch_op() -> torch.Tensor:
         q = weights[next(turn) % copies]
         if q.zeros is None:
@@ -90,11 +99,20 @@ def measure(name: str, scheme: WeightQuantization, rounds: int) -> None:
         return same_bytes[next(turn) % copies].sum()
 
     print(f"{name} [{n}, {k}] {scheme.label}: {kernel_bytes / 1e6:.1f} MB per call, {copies} copies")
-    for fn in (gemv, torch_op, read):
+    fns = {
+        "C++ GEMV": gemv,
+        "C++ GEMV, float32 x": gemv_float_path,
+        "torch kernel": torch_op,
+        "torch.sum, same bytes": read,
+    }
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for fn in fns.values():
         fn()
-    _report("C++ GEMV", _time(gemv, rounds), kernel_bytes)
-    _report("torch kernel", _time(torch_op, rounds), kernel_bytes)
-    _report("torch.sum, same bytes", _time(read, rounds), kernel_bytes)
+    for _ in range(rounds):  # interleaved, so a burst of load from elsewhere hits each alike
+        for label, fn in fns.items():
+            times[label] += _time(fn, 1)
+    for label, t in times.items():
+        _report(label, t, kernel_bytes)
 
 
 def main() -> None:
