@@ -1,8 +1,9 @@
 // Paged attention for the CPU: one pass over each row's visible keys with an online softmax.
 //
 // Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
-// through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops, no
-// intrinsics: the compiler vectorises them for whatever ISA the machine has.
+// through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops that
+// the compiler vectorises for whatever ISA the machine has, and AVX-512 (with VNNI for int8 keys)
+// block loops for head dims of 16s (block_scores, block_values below).
 //
 // The cache holds the query's dtype, or quantized rows (kernels/kv_quant.py): int8 or fp8 e4m3
 // codes, then the row's float32 scale. Reading one costs a code widened to float per element and
