@@ -134,8 +134,11 @@ def test_inductor_compiles_the_quantized_graph_and_recipes_rebuild_its_constants
         assert torch.equal(tensor, attributes[name]), name
 
 
+# int4 (the coarser scheme) in the default run; int8 under -m slow (default-suite time budget).
 @pytest.mark.parametrize(
-    "scheme", [WeightQuantization("int8"), WeightQuantization("int4", 32)], ids=lambda s: s.label
+    "scheme",
+    [pytest.param(WeightQuantization("int8"), marks=pytest.mark.slow), WeightQuantization("int4", 32)],
+    ids=lambda s: s.label,
 )
 def test_the_lm_head_is_quantized_by_default_and_its_logits_stay_close(scheme) -> None:
     # The default (EngineArgs' quantize_lm_head): the head's linear becomes the quantized op too, the
