@@ -167,10 +167,19 @@ class EngineArgs:
     fuse_linears: bool = option(True, "keep q/k/v and gate/up as separate GEMMs")
     quantization: str | None = option(
         None,
-        "weight-only quantization of every linear but the LM head, at load: int8 (a scale per output "
-        "feature) or int4 (a scale and zero point per group of input features); default: none, or "
-        "the checkpoint's own compressed-tensors scheme (docs/quantization.md)",
+        "weight-only quantization of every linear (the LM head too, see --no-quantize-lm-head), at "
+        "load: int8 (a scale per output feature) or int4 (a scale and zero point per group of input "
+        "features); default: none, or the checkpoint's own compressed-tensors scheme "
+        "(docs/quantization.md)",
         choices=QUANTIZATION_CHOICES,
+    )
+    # True by default: one-request decode streams the LM head every token, and llama.cpp's Q8_0 / Q4_0
+    # quantize it too. A compressed-tensors checkpoint follows its own `ignore` list instead.
+    quantize_lm_head: bool = option(
+        True,
+        "with --quantization, keep the LM head (output embedding) in the model dtype instead of "
+        "quantizing it with the other linears",
+        name="--no-quantize-lm-head",
     )
     quantization_group_size: int = option(
         32, "int4 quantization: input features per scale and zero point (32, 64, 128 or 256)"
@@ -252,7 +261,7 @@ class EngineArgs:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
-        for name in ("enforce_eager", "fuse_linears", "enable_prefix_caching"):
+        for name in ("enforce_eager", "fuse_linears", "enable_prefix_caching", "quantize_lm_head"):
             _bool(name, getattr(self, name))
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(
@@ -331,7 +340,7 @@ class EngineArgs:
         ):
             raise ValueError(f"quantization_group_size must be an int, got {self.quantization_group_size!r}")
         group_size = self.quantization_group_size if self.quantization == "int4" else None
-        return WeightQuantization(self.quantization, group_size)
+        return WeightQuantization(self.quantization, group_size, lm_head=self.quantize_lm_head)
 
     def create_engine_config(self, device: torch.device, model_config: ModelConfig) -> EngineConfig:
         """Every option resolved against the device and the loaded model's config. The KV block

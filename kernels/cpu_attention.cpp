@@ -1,8 +1,9 @@
 // Paged attention for the CPU: one pass over each row's visible keys with an online softmax.
 //
 // Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
-// through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops, no
-// intrinsics: the compiler vectorises them for whatever ISA the machine has.
+// through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops that
+// the compiler vectorises for whatever ISA the machine has, and AVX-512 (with VNNI for int8 keys)
+// block loops for head dims of 16s (block_scores, block_values below).
 //
 // The cache holds the query's dtype, or quantized rows (kernels/kv_quant.py): int8 or fp8 e4m3
 // codes, then the row's float32 scale. Reading one costs a code widened to float per element and
@@ -237,6 +238,170 @@ inline float row_scale(const C* row, int64_t scale_offset) {
   return scale * code_unit<C>();
 }
 
+#ifdef CE_ATTENTION_AVX512
+// One block's keys and values for the query heads of one KV head, 16 slots at a time: each row is
+// widened once for all the group's query heads (not once per query head), and the 16 dots of a
+// head end in one transpose-add tree (`reduce16`, ~3 instructions a dot where a reduction each
+// takes ~8). On a quantized cache the per-element work is what bounds the read, not the bytes
+// (int8 rows are half of bf16's), so this is where an int8 cache gains its speed.
+constexpr int64_t kFastGroup = 8;  // query heads per KV head the fast path keeps partial dots for
+
+// Lane j of the result = the sum of v[j]'s 16 lanes.
+inline __m512 reduce16(const __m512* v) {
+  __m512 c[8], d[4], e[2];
+  for (int k = 0; k < 8; ++k)  // 512 -> 256: v[2k]'s 8 partials in the low half, v[2k + 1]'s high
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane L: 4 partials of slot 4k + L
+    d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // lane L: 2 partials each of slots 8k + L and 8k + 4 + L
+    e[k] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * k], d[2 * k + 1]), _mm512_unpackhi_ps(d[2 * k], d[2 * k + 1]));
+  const __m512d e0 = _mm512_castps_pd(e[0]), e1 = _mm512_castps_pd(e[1]);
+  // Lane L: slots L, 4 + L, 8 + L, 12 + L; then into slot order.
+  const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(e0, e1)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(e0, e1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// scores[g * bs + j] = q_g . row_j (times row_j's scale when quantized) for j < n, g < group.
+template <typename C, int kHeadDim, bool kQuantized>
+void block_scores(const float* q, int64_t group, const C* first_row, int64_t stride_slot, int64_t n,
+                  int64_t scale_offset, float* scores, int64_t bs) {
+  constexpr int kChunks = kHeadDim / 16;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 part[kFastGroup][16];
+    alignas(64) float key_scale[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= m) {
+        for (int64_t g = 0; g < group; ++g) part[g][j] = _mm512_setzero_ps();
+        key_scale[j] = 0.0f;
+        continue;
+      }
+      const C* row = first_row + (j0 + j) * stride_slot;
+      __m512 w[kChunks];
+      for (int c = 0; c < kChunks; ++c) w[c] = widen16(row + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * kHeadDim;
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), w[0]);
+        for (int c = 1; c < kChunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), w[c], sum);
+        part[g][j] = sum;
+      }
+      if constexpr (kQuantized) key_scale[j] = row_scale(row, scale_offset);
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1u);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 s = reduce16(part[g]);
+      if constexpr (kQuantized) s = _mm512_mul_ps(s, _mm512_load_ps(key_scale));
+      _mm512_mask_storeu_ps(scores + g * bs + j0, keep, s);
+    }
+  }
+}
+
+#ifdef __AVX512VNNI__
+// int8 keys against a query in int16 (bf16 / fp16 queries only): q16 = round(q / qscale), qscale =
+// max|q| / 32767 per query head, so the query's rounding (2^-16 of its largest value) stays far
+// below the bf16 / fp16 rounding it arrived with. vpdpwssd sums 32 code x query products a
+// instruction in int32 (|sum| <= 32767 * 127 * 128 < 2^31 at head dims up to 128), against 16
+// widenings, 16 conversions and 16 multiply-adds in float: the int8 cache's keys cost a third.
+template <int kHeadDim>
+void block_scores_int8(const int16_t* q16, const float* qscale, int64_t group, const int8_t* first_row,
+                       int64_t stride_slot, int64_t n, int64_t scale_offset, float* scores, int64_t bs) {
+  constexpr int kPairs = kHeadDim / 32;  // zmm of 32 int16 per row
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 part[kFastGroup][16];
+    alignas(64) float key_scale[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= m) {
+        for (int64_t g = 0; g < group; ++g) part[g][j] = _mm512_setzero_ps();
+        key_scale[j] = 0.0f;
+        continue;
+      }
+      const int8_t* row = first_row + (j0 + j) * stride_slot;
+      __m512i w[kPairs];
+      for (int c = 0; c < kPairs; ++c)
+        w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+      for (int64_t g = 0; g < group; ++g) {
+        const int16_t* qg = q16 + g * kHeadDim;
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < kPairs; ++c)
+          sum = _mm512_dpwssd_epi32(sum, w[c], _mm512_loadu_si512(reinterpret_cast<const void*>(qg + 32 * c)));
+        part[g][j] = _mm512_cvtepi32_ps(sum);
+      }
+      key_scale[j] = row_scale(row, scale_offset);
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1u);
+    const __m512 ks = _mm512_load_ps(key_scale);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(reduce16(part[g]), ks), _mm512_set1_ps(qscale[g]));
+      _mm512_mask_storeu_ps(scores + g * bs + j0, keep, s);
+    }
+  }
+}
+
+// q [heads, D] float -> q16 [heads, D] and qscale [heads] (block_scores_int8's query).
+inline void quantize_query(const float* q, int64_t heads, int64_t D, int16_t* q16, float* qscale) {
+  for (int64_t i = 0; i < heads; ++i) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[i * D + d]));
+    const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const float inv = 1.0f / scale;
+    for (int64_t d = 0; d < D; ++d) q16[i * D + d] = static_cast<int16_t>(std::nearbyint(q[i * D + d] * inv));
+    qscale[i] = scale;
+  }
+}
+#endif
+
+// block_values with the group's accumulators in registers (kGroup query heads a KV head).
+template <typename C, int kHeadDim, bool kQuantized, int kGroup>
+void block_values_fixed(float* acc, const float* weights, int64_t bs, const C* first_row, int64_t stride_slot,
+                        int64_t n, int64_t scale_offset) {
+  constexpr int kChunks = kHeadDim / 16;
+  __m512 a[kGroup][kChunks];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * kHeadDim + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const C* row = first_row + j * stride_slot;
+    __m512 w[kChunks];
+    for (int c = 0; c < kChunks; ++c) w[c] = widen16(row + 16 * c);
+    float value_scale = 1.0f;
+    if constexpr (kQuantized) value_scale = row_scale(row, scale_offset);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 weight = _mm512_set1_ps(weights[g * bs + j] * value_scale);
+      for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_fmadd_ps(weight, w[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * kHeadDim + 16 * c, a[g][c]);
+}
+
+// acc[g * kHeadDim + d] += weights[g * bs + j] * row_j[d] (times row_j's scale when quantized).
+template <typename C, int kHeadDim, bool kQuantized>
+void block_values(float* acc, int64_t group, const float* weights, int64_t bs, const C* first_row,
+                  int64_t stride_slot, int64_t n, int64_t scale_offset) {
+  constexpr int kChunks = kHeadDim / 16;
+  if (group == 1) return block_values_fixed<C, kHeadDim, kQuantized, 1>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  if (group == 2) return block_values_fixed<C, kHeadDim, kQuantized, 2>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  if (group == 4 && kChunks <= 4) return block_values_fixed<C, kHeadDim, kQuantized, 4>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  for (int64_t j = 0; j < n; ++j) {
+    const C* row = first_row + j * stride_slot;
+    __m512 w[kChunks];
+    for (int c = 0; c < kChunks; ++c) w[c] = widen16(row + 16 * c);
+    float value_scale = 1.0f;
+    if constexpr (kQuantized) value_scale = row_scale(row, scale_offset);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 weight = _mm512_set1_ps(weights[g * bs + j] * value_scale);
+      float* ag = acc + g * kHeadDim;
+      for (int c = 0; c < kChunks; ++c)
+        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(weight, w[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+  }
+}
+#endif
+
 // Row t's keys and values into its cache slot, as kernels/reference.py writes them.
 template <typename T, typename C>
 void write_row(const Problem& pb, int64_t t) {
@@ -294,6 +459,9 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   float* scores = acc + heads * D;
   float* row_max = scores + heads * bs;
   float* row_sum = row_max + heads;
+  // int8 keys with a bf16 / fp16 query: the query in int16 and its scales (block_scores_int8).
+  float* qscale = row_sum + heads;
+  int16_t* q16 = reinterpret_cast<int16_t*>(qscale + heads);
 
   int64_t position = -1;
   const int64_t seq = row_sequence(pb, t, &position);
@@ -311,6 +479,12 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     row_max[i] = -std::numeric_limits<float>::infinity();
     row_sum[i] = 0.0f;
   }
+#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
+  if constexpr (std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 && kHeadDim % 32 == 0 &&
+                kHeadDim <= 128) {
+    quantize_query(q, heads, D, q16, qscale);
+  }
+#endif
 
   // Blocks sit anywhere in the cache, so the hardware prefetcher restarts cold at each one: ask
   // for the rows of the block kAhead columns on while this one computes (and for the first ones
@@ -340,8 +514,31 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     const int64_t n = stop - start;
     const int64_t first_slot = block_offset(column) + (start - column * bs) * pb.stride_slot;
     const int64_t ahead = column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
+    bool fast = false;  // the AVX-512 block loops below ran (head dims of 16s, small groups)
 
-    for (int64_t j = 0; j < n; ++j) {
+#ifdef CE_ATTENTION_AVX512
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+      if (group <= kFastGroup) {
+        if (ahead >= 0) {
+          for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
+        }
+        for (int64_t h = head_begin; h < head_end; ++h) {
+          const int64_t i0 = (h - head_begin) * group;
+#ifdef __AVX512VNNI__
+          if constexpr (std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim % 32 == 0 && kHeadDim <= 128) {
+            block_scores_int8<kHeadDim>(q16 + i0 * D, qscale + i0, group, keys + first_slot + h * pb.stride_head,
+                                        pb.stride_slot, n, pb.scale_offset, scores + i0 * bs, bs);
+            continue;
+          }
+#endif
+          block_scores<C, kHeadDim, quantized<T, C>()>(q + i0 * D, group, keys + first_slot + h * pb.stride_head,
+                                                       pb.stride_slot, n, pb.scale_offset, scores + i0 * bs, bs);
+        }
+        fast = true;
+      }
+    }
+#endif
+    for (int64_t j = 0; j < n && !fast; ++j) {
       if (ahead >= 0) {  // all bs rows of it, also when this block is partial
         for (int64_t r = j; r < bs; r += n) prefetch_slot(ahead, r);
       }
@@ -382,7 +579,19 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
         for (int64_t d = 0; d < D; ++d) ai[d] *= correction;
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
+#ifdef CE_ATTENTION_AVX512
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+      if (fast) {
+        for (int64_t h = head_begin; h < head_end; ++h) {
+          const int64_t i0 = (h - head_begin) * group;
+          block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, group, scores + i0 * bs, bs,
+                                                       values + first_slot + h * pb.stride_head, pb.stride_slot, n,
+                                                       pb.scale_offset);
+        }
+      }
+    }
+#endif
+    for (int64_t j = 0; j < n && !fast; ++j) {
       for (int64_t h = head_begin; h < head_end; ++h) {
         const int64_t v = first_slot + j * pb.stride_slot + h * pb.stride_head;
         // Quantized: the row's scale rides on the softmax weight.
@@ -417,7 +626,8 @@ void run(const Problem& pb, int num_threads) {
   const int64_t items = pb.num_tokens * chunks;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
   const int64_t heads = per_chunk * group;
-  const int64_t work_floats = heads * (2 * pb.head_dim + pb.block_size + 2);
+  // q, acc, scores, max, sum; then the int16 query's scales and values (half a float each).
+  const int64_t work_floats = heads * (2 * pb.head_dim + pb.block_size + 2) + heads * (1 + pb.head_dim / 2 + 1);
 #pragma omp parallel num_threads(num_threads)
   {
     // The write first; the loop's barrier keeps every read after it. Padding rows all land on

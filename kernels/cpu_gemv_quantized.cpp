@@ -21,6 +21,7 @@
 // loops over the same layout. The caller picks the best this CPU has; tests force the portable one.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -71,6 +72,8 @@ inline void store_any(void* p, int64_t i, float v, int dtype) {
 struct Problem {
   const float* x;        // [rows, in_features] as float32, contiguous
   const float* x_sums;   // int4: [rows, groups] sums of x per group
+  const int16_t* x16;    // with VNNI: [rows, in_features] x in int16 per chunk (int8) or group (int4)
+  const float* x16_scales;  // ... and each chunk's scale, [rows, chunks]
   int64_t rows;
   const void* packed;
   const float* scales;
@@ -213,6 +216,118 @@ CE_AVX512 void int4_block_avx512(const Problem& p, int64_t block, int64_t row0) 
   finish_block(p, block, row0, R, out, false);
 }
 
+#if defined(__AVX512VNNI__)
+#define CE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+
+// int8 weights against x in int16 (bf16 / fp16 activations, even in_features): x16 = round(x / s)
+// with s = max|x| / 32767 per kVnniChunk input features of a row, so an outlier costs precision in
+// its own chunk only, and the rounding (2^-16 of the chunk's largest value) stays well below the
+// bf16 / fp16 rounding x arrived with. vpdpwssd sums two input features of 16 output features an
+// instruction in int32 (rows k and k + 1 interleaved word by word; |sum| <= 2 * 32767 * 128 * 128
+// < 2^31 over a chunk), against 4 widenings, conversions and multiply-adds each in float: the
+// float path's instructions, not the bytes, bounded it at the MLP's shapes.
+constexpr int64_t kVnniChunk = 256;
+
+template <int R>
+CE_VNNI void int8_block_vnni(const Problem& p, int64_t block, int64_t row0) {
+  const int64_t k_count = p.in_features;
+  const int64_t chunks = (k_count + kVnniChunk - 1) / kVnniChunk;
+  const int8_t* w = static_cast<const int8_t*>(p.packed) + block * k_count * kBlock;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t k_end = std::min(k_count, (chunk + 1) * kVnniChunk);
+    __m512i sums[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_si512();
+    for (int64_t k = chunk * kVnniChunk; k < k_end; k += 2, w += 2 * kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 17 * kBlock), _MM_HINT_T0);
+      const __m512i a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      const __m512i a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
+      const __m512i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock)));
+      const __m512i b1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock + 32)));
+      const __m512i pairs[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+                                _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+      for (int r = 0; r < R; ++r) {
+        int32_t xk;
+        std::memcpy(&xk, p.x16 + (row0 + r) * k_count + k, sizeof xk);
+        const __m512i xv = _mm512_set1_epi32(xk);
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], pairs[c], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_set1_ps(p.x16_scales[(row0 + r) * chunks + chunk]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), scale, acc[r][c]);
+    }
+  }
+  // pairs[2h] lane 4L + m holds feature 32h + 8L + m, pairs[2h + 1] lane 4L + m feature 32h + 8L + 4 + m.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  alignas(64) float out[R * kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      _mm512_storeu_ps(out + r * kBlock + 32 * h, _mm512_permutex2var_ps(acc[r][2 * h], first, acc[r][2 * h + 1]));
+      _mm512_storeu_ps(out + r * kBlock + 32 * h + 16,
+                       _mm512_permutex2var_ps(acc[r][2 * h], second, acc[r][2 * h + 1]));
+    }
+  finish_block(p, block, row0, R, out, true);
+}
+
+// int4 the same way, x in int16 per quantization group (x16_scales [rows, groups]): each byte's two
+// nibbles (input features k and k + 1 of one output feature) spread into the two halves of a 32-bit
+// lane, so vpdpwssd takes a pair of input features of 16 outputs an instruction; the group's scale
+// and offset then apply once, as in the float path.
+template <int R>
+CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
+  const int64_t k_count = p.in_features;
+  const int64_t groups = k_count / p.group_size;
+  const uint8_t* w = static_cast<const uint8_t*>(p.packed) + block * (k_count / 2) * kBlock;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_si512();
+    const int64_t k_first = g * p.group_size;
+    for (int64_t k = k_first; k < k_first + p.group_size; k += 2, w += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+      __m512i pairs[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
+        // (b | b << 12) & 0x000F000F: the low nibble in bits 0-3, the high one in bits 16-19.
+        pairs[c] = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t xk;
+        std::memcpy(&xk, p.x16 + (row0 + r) * k_count + k, sizeof xk);
+        const __m512i xv = _mm512_set1_epi32(xk);
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], pairs[c], xv);
+      }
+    }
+    const float* scales = p.scales + (block * groups + g) * kBlock;
+    const float* offsets = p.offsets + (block * groups + g) * kBlock;
+    for (int c = 0; c < 4; ++c) {
+      const __m512 scale = _mm512_loadu_ps(scales + 16 * c);
+      const __m512 offset = _mm512_loadu_ps(offsets + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(p.x16_scales[(row0 + r) * groups + g]);
+        const __m512 x_sum = _mm512_set1_ps(p.x_sums[(row0 + r) * groups + g]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(scale, xs), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(offset, x_sum, acc[r][c]);
+      }
+    }
+  }
+  alignas(64) float out[R * kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * kBlock + 16 * c, acc[r][c]);
+  finish_block(p, block, row0, R, out, false);
+}
+#endif
+
 #endif
 
 template <bool kInt4>
@@ -220,6 +335,16 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 #if defined(__x86_64__)
   if (isa >= 1) {
     if constexpr (kInt4) {
+#if defined(__AVX512VNNI__)
+      if (p.x16 != nullptr) {
+        switch (nrows) {
+          case 1: return int4_block_vnni<1>(p, block, row0);
+          case 2: return int4_block_vnni<2>(p, block, row0);
+          case 3: return int4_block_vnni<3>(p, block, row0);
+          default: return int4_block_vnni<4>(p, block, row0);
+        }
+      }
+#endif
       switch (nrows) {
         case 1: return int4_block_avx512<1>(p, block, row0);
         case 2: return int4_block_avx512<2>(p, block, row0);
@@ -227,6 +352,16 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
         default: return int4_block_avx512<4>(p, block, row0);
       }
     } else {
+#if defined(__AVX512VNNI__)
+      if (p.x16 != nullptr) {
+        switch (nrows) {
+          case 1: return int8_block_vnni<1>(p, block, row0);
+          case 2: return int8_block_vnni<2>(p, block, row0);
+          case 3: return int8_block_vnni<3>(p, block, row0);
+          default: return int8_block_vnni<4>(p, block, row0);
+        }
+      }
+#endif
       switch (nrows) {
         case 1: return int8_block_avx512<1>(p, block, row0);
         case 2: return int8_block_avx512<2>(p, block, row0);
@@ -258,7 +393,31 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t k = 0; k < group_size; ++k) x_sums[r * groups + g] += x_float[r * in_features + g * group_size + k];
-  Problem p{x_float.data(), x_sums.data(), rows, packed, scales, offsets, group_size,
+  // The AVX-512 path with VNNI, bf16 / fp16 activations, even in_features: x in int16 per chunk
+  // (int8_block_vnni, int4_block_vnni); float32 activations keep the float path's exact products.
+  std::vector<int16_t> x16;
+  std::vector<float> x16_scales;
+#if defined(__x86_64__) && defined(__AVX512VNNI__)
+  if (isa >= 1 && dtype != kFloat32 && in_features % 2 == 0) {
+    const int64_t chunk_size = kInt4 ? group_size : kVnniChunk;  // int4: one scale per group
+    const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
+    x16.resize(rows * in_features);
+    x16_scales.resize(rows * chunks);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* xr = x_float.data() + r * in_features;
+        const int64_t k0 = c * chunk_size, k1 = std::min(in_features, k0 + chunk_size);
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+        const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+        const float inv = 1.0f / scale;
+        for (int64_t k = k0; k < k1; ++k) x16[r * in_features + k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+        x16_scales[r * chunks + c] = scale;
+      }
+  }
+#endif
+  Problem p{x_float.data(), x_sums.data(), x16.empty() ? nullptr : x16.data(),
+            x16_scales.empty() ? nullptr : x16_scales.data(), rows, packed, scales, offsets, group_size,
             bias, out, in_features, out_features, dtype};
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));

@@ -73,9 +73,12 @@ def output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
     return head if isinstance(head, torch.nn.Module) else None
 
 
-def quantized_linear_names(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """(name, module) of every `nn.Linear` the schemes quantize: all but the output embedding (LM head)."""
-    head = output_embeddings(model)
+def quantized_linear_names(
+    model: torch.nn.Module, lm_head: bool = False
+) -> list[tuple[str, torch.nn.Linear]]:
+    """(name, module) of every `nn.Linear` a scheme quantizes: all but the output embedding (LM head),
+    which is included with `lm_head` (WeightQuantization.lm_head, EngineArgs' quantize_lm_head)."""
+    head = None if lm_head else output_embeddings(model)
     return [
         (name, module)
         for name, module in model.named_modules()
@@ -88,7 +91,7 @@ def check_model_quantizable(model: torch.nn.Module, quantization: WeightQuantiza
     of the group size). Run at load, before anything is traced or compiled."""
     if quantization.group_size is None:
         return
-    for name, module in quantized_linear_names(model):
+    for name, module in quantized_linear_names(model, quantization.quantizes_lm_head()):
         if module.in_features % quantization.group_size:
             raise ValueError(
                 f"quantization={quantization.scheme!r} with group size {quantization.group_size} cannot "

@@ -31,3 +31,10 @@ def test_a_bad_quantization_stops_the_bench_session(tmp_path):
     proc = _run_pytest(tmp_path, "bench/test_decode.py", "--collect-only", "--bench-quantization", "int3")
     assert proc.returncode != 0
     assert "invalid choice: 'int3'" in proc.stdout + proc.stderr
+
+
+def test_q8_0_comes_from_llama_quantize_too(tmp_path):
+    # Both llama.cpp files come from one float GGUF through llama-quantize (its defaults for the
+    # output matrix), so a Q8_0 run also needs the tool.
+    with pytest.raises(RuntimeError, match=r"llama-quantize missing \(scripts/peers/llamacpp_build.sh"):
+        gguf_path(PeerSpec("llamacpp", tmp_path), tmp_path / "model", "bfloat16", "int8")

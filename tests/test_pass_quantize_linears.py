@@ -3,6 +3,8 @@ logits of the same model with those weights dequantized; recipes rebuild the qua
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,22 +39,33 @@ from compiled_engine.records.weight_quantization import WeightQuantization
 from tests.test_capture import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PagedBatch, make_model
 from tests.test_pass_fuse_linears import STEPS
 
-SCHEMES = [WeightQuantization("int8"), WeightQuantization("int4", 32)]
+# The LM head kept in the model dtype (quantize_lm_head=False): what the first tests check; the
+# default, head quantized too, has its own test below.
+SCHEMES = [WeightQuantization("int8", lm_head=False), WeightQuantization("int4", 32, lm_head=False)]
 
 
 def _count(gm: fx.GraphModule, targets) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
 
 
-def _dequantized_model(scheme: WeightQuantization) -> torch.nn.Module:
-    """The test model with every linear but the LM head replaced by its quantize-dequantize round trip:
-    what the quantized graph must compute (each scheme's scales are per row, so fusing q/k/v first
-    changes nothing)."""
-    model = make_model("qwen2")
+def round_trip_linears(model: torch.nn.Module, scheme: WeightQuantization) -> torch.nn.Module:
+    """`model` with every linear `scheme` quantizes (the LM head with `scheme.lm_head`) replaced by its
+    quantize-dequantize round trip. A tied LM head gets its own copy first: the engine quantizes the
+    head's linear only, the input embedding keeps its float weight."""
+    head = model.get_output_embeddings()
+    if scheme.lm_head and head is not None:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     with torch.no_grad():
-        for _, module in quantized_linear_names(model):
+        for _, module in quantized_linear_names(model, scheme.lm_head):
             module.weight.copy_(dequantize(quantize_weight(module.weight, scheme), module.weight.dtype))
     return model
+
+
+def _dequantized_model(scheme: WeightQuantization) -> torch.nn.Module:
+    """The test model with its quantized linears replaced by their quantize-dequantize round trips:
+    what the quantized graph must compute (each scheme's scales are per row, so fusing q/k/v first
+    changes nothing)."""
+    return round_trip_linears(make_model("qwen2"), scheme)
 
 
 class Recorder:
@@ -101,7 +114,7 @@ def test_a_captured_model_computes_its_dequantized_weights(scheme) -> None:
 
 
 def test_inductor_compiles_the_quantized_graph_and_recipes_rebuild_its_constants() -> None:
-    scheme = WeightQuantization("int4", 32)
+    scheme = WeightQuantization("int4", 32, lm_head=False)
     paged = PagedBatch()
     reference = capture_model(_dequantized_model(scheme), paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM))
     model = make_model("qwen2")
@@ -119,6 +132,51 @@ def test_inductor_compiles_the_quantized_graph_and_recipes_rebuild_its_constants
     attributes = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
     for name, tensor in zip(lifted_constant_names(gm), rebuilt, strict=True):
         assert torch.equal(tensor, attributes[name]), name
+
+
+# int4 (the coarser scheme) in the default run; int8 under -m slow (default-suite time budget).
+@pytest.mark.parametrize(
+    "scheme",
+    [pytest.param(WeightQuantization("int8"), marks=pytest.mark.slow), WeightQuantization("int4", 32)],
+    ids=lambda s: s.label,
+)
+def test_the_lm_head_is_quantized_by_default_and_its_logits_stay_close(scheme) -> None:
+    # The default (EngineArgs' quantize_lm_head): the head's linear becomes the quantized op too, the
+    # graph computes the model with the head's weight round-tripped as well (the embedding kept
+    # float), and quantizing the head moves the logits no more than its weight's own rounding.
+    paged = PagedBatch()
+    caches = lambda: paged.kv_caches(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM)  # noqa: E731
+    model = make_model("qwen2")
+    head = model.get_output_embeddings().weight
+    quantized = capture_model(model, caches(), quantization=scheme)
+    head_kept = capture_model(make_model("qwen2"), caches(), quantization=replace(scheme, lm_head=False))
+    reference = capture_model(_dequantized_model(scheme), caches())
+    logits = quantized(paged.step(STEPS[0]))
+    torch.testing.assert_close(logits, reference(paged.step(STEPS[0])), atol=2e-4, rtol=0)
+    # Relative to the engine with the head in float32 (same other linears): the logits move by about
+    # the head weight's relative rounding error (random hidden states), well under twice it.
+    kept = head_kept(paged.step(STEPS[0]))
+    weight_error = float((dequantize(quantize_weight(head, scheme), head.dtype) - head).norm() / head.norm())
+    logits_error = float((logits - kept).norm() / kept.norm())
+    assert 0 < logits_error < 2 * weight_error, (logits_error, weight_error)
+    result = quantized.pass_log[0].result("quantize_linears")
+    assert result.nodes_rewritten == 7 * NUM_LAYERS + 1  # the head too
+    assert any("quantized" in note and "the LM head" in note for note in result.notes)
+    assert not any("the LM head stays" in note for note in result.notes)
+    # The graph itself: no float linear left, and one quantized op over the head's [vocab, hidden] weight.
+    model = make_model("qwen2")
+    recorder = Recorder(scheme, model.get_output_embeddings().weight)
+    capture_model(model, caches(), graph_compiler=recorder)(paged.step(STEPS[0]))
+    gm = recorder.graphs[0]
+    assert _count(gm, LINEAR_TARGETS) == 0
+    head_ops = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.target in QUANTIZED_LINEAR_OPS
+        and getattr(gm, str(n.args[1].target)).shape[0] == head.shape[0]
+    ]
+    assert len(head_ops) == 1
 
 
 @pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32), reason="no C++ compiler")

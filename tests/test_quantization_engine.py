@@ -14,10 +14,10 @@ from compiled_engine.engine.async_llm import AsyncLLM
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_args import QUANTIZATION_CHOICES, EngineArgs, ServerArgs
 from compiled_engine.entrypoints import cli
-from compiled_engine.kernels.weight_quantization import dequantize, quantize_weight, quantized_linear_names
 from compiled_engine.records.weight_quantization import WEIGHT_QUANTIZATION_SCHEMES, WeightQuantization
 from tests.test_async_llm import _final
 from tests.test_parity import MAX_NEW_TOKENS, PROMPTS, _hf_reference, compare_with_reference
+from tests.test_pass_quantize_linears import round_trip_linears
 from tests.test_prefix_caching_engine import ENGINE_OPTIONS as PREFIX_ENGINE_OPTIONS
 from tests.test_prefix_caching_engine import _run as _run_workload
 from tests.test_prefix_caching_engine import _workload
@@ -46,6 +46,13 @@ def test_every_command_takes_the_flags(command):
     assert args.weight_quantization() == WeightQuantization("int4", 64)
     assert EngineArgs(quantization="int8").weight_quantization() == WeightQuantization("int8")
     assert EngineArgs().weight_quantization() is None
+    # The LM head is quantized with the rest unless --no-quantize-lm-head keeps it float.
+    assert args.quantize_lm_head is True
+    kept = (ServerArgs if command == "serve" else EngineArgs).from_cli_args(
+        _command(command).parse_args([*argv, "--no-quantize-lm-head"])
+    )
+    assert kept.weight_quantization() == WeightQuantization("int4", 64, lm_head=False)
+    assert kept.weight_quantization().label == "int4-g64-float-head"
 
 
 @pytest.mark.parametrize(
@@ -59,6 +66,8 @@ def test_every_command_takes_the_flags(command):
         ),
         ({"quantization": "int4", "quantization_group_size": "32"}, "quantization_group_size must be an int"),
         ({"quantization": "int8", "tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
+        ({"quantization": "int8", "quantize_lm_head": "no"}, "quantize_lm_head must be True or False"),
+        ({"quantize_lm_head": 0}, "quantize_lm_head must be True or False, got 0"),
     ],
 )
 def test_bad_options_are_refused_when_given(options, needle):
@@ -74,13 +83,11 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_any_compile
 
 
 def _dequantized_reference(model_dir: str, scheme: WeightQuantization, prompts):
-    """transformers' own greedy generate on the model with each linear but the LM head replaced by
-    its quantize-dequantize round trip: what the quantized engine computes."""
+    """transformers' own greedy generate on the model with each linear the scheme quantizes (the LM
+    head too, by default) replaced by its quantize-dequantize round trip: what the quantized engine
+    computes."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for _, module in quantized_linear_names(model):
-            module.weight.copy_(dequantize(quantize_weight(module.weight, scheme), torch.float32))
-    return _hf_reference(model_dir, prompts, model=model)
+    return _hf_reference(model_dir, prompts, model=round_trip_linears(model, scheme))
 
 
 SCHEMES = {"int8": WeightQuantization("int8"), "int4": WeightQuantization("int4", 32)}

@@ -28,7 +28,7 @@ from bench.workloads import BenchRequest
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 # Our weight quantization -> llama.cpp's nearest type of the same weights (--bench-quantization):
-# Q8_0 (int8, a scale per 32 weights) from the converter, Q4_0 (int4, a scale per 32) by llama-quantize.
+# Q8_0 (int8, a scale per 32 weights) and Q4_0 (int4, a scale per 32), both by llama-quantize.
 GGUF_QUANTIZED_TYPES = {"int8": "q8_0", "int4": "q4_0"}
 QUANTIZE_BINARY = "bin/llama-quantize"
 # llama.cpp's limit on sequences in one context (LLAMA_MAX_SEQ).
@@ -75,29 +75,21 @@ def gguf_path(spec: PeerSpec, model_dir: Path, dtype: str, quantization: str | N
 
 
 def _quantized_gguf(spec: PeerSpec, model_dir: Path, dtype: str, quantization: str) -> Path:
+    """llama-quantize's Q8_0 / Q4_0 of the model's `dtype` GGUF (both from the same float file, so the
+    two differ only in the quantization llama.cpp ships; its defaults, the output matrix included)."""
     if quantization not in GGUF_QUANTIZED_TYPES:
         raise ValueError(f"llama.cpp peer: no GGUF type for quantization {quantization!r}")
     kind = GGUF_QUANTIZED_TYPES[quantization]
     out = spec.path / "gguf" / f"{model_dir.name}-{kind}.gguf"
     if out.exists():
         return out
-    if kind == "q8_0":
-        argv = [
-            str(spec.path / GGUF_PYTHON),
-            str(CONVERTER),
-            str(spec.path / "src"),
-            str(model_dir),
-            str(out),
-            kind,
-        ]
-    else:
-        tool = spec.path / QUANTIZE_BINARY
-        if not tool.exists():
-            raise RuntimeError(f"llama.cpp peer: {tool} missing (scripts/peers/llamacpp_build.sh builds it)")
-        partial = out.with_name(out.name + ".partial")
-        argv = [str(tool), str(gguf_path(spec, model_dir, dtype)), str(partial), kind.upper()]
+    tool = spec.path / QUANTIZE_BINARY
+    if not tool.exists():
+        raise RuntimeError(f"llama.cpp peer: {tool} missing (scripts/peers/llamacpp_build.sh builds it)")
+    partial = out.with_name(out.name + ".partial")
+    argv = [str(tool), str(gguf_path(spec, model_dir, dtype)), str(partial), kind.upper()]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-    if kind != "q8_0" and done.returncode == 0:
+    if done.returncode == 0:
         partial.rename(out)  # only when complete: the bench never trusts a half-written GGUF
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(

@@ -22,18 +22,23 @@ QUANTIZED_BUFFERS = {"qweight": "ce_qweight", "scales": "ce_scales", "zeros": "c
 
 @dataclass(frozen=True)
 class WeightQuantization:
-    """One scheme for every linear but the LM head (which, like the embedding, keeps the model dtype).
+    """One scheme for the model's linears; the input embedding (a gather) keeps the model dtype.
 
     `group_size`: int4's input features per scale (None for int8). `symmetric`: whether the zero
     point is fixed at the middle of the range (compressed-tensors checkpoints); the engine's own
     int4 quantization is asymmetric (min/max per group). `source`: "engine" (quantized at load
     from the checkpoint's float weights) or "compressed-tensors" (read quantized from the folder).
+    `lm_head`: whether the engine's own scheme quantizes the LM head too (EngineArgs'
+    `quantize_lm_head`; one-request decode streams it every token, and llama.cpp's Q8_0 / Q4_0
+    quantize it as well); a checkpoint's LM head is quantized exactly when the checkpoint holds it
+    quantized (compressed-tensors' `ignore` list), whatever this says.
     """
 
     scheme: str
     group_size: int | None = None
     symmetric: bool = False
     source: str = "engine"
+    lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.scheme not in WEIGHT_QUANTIZATION_SCHEMES:
@@ -53,4 +58,9 @@ class WeightQuantization:
     def label(self) -> str:
         """Short and unique per layout: "int8", "int4-g32" (compile-cache keys, warmup rows, recipes)."""
         base = self.scheme if self.group_size is None else f"{self.scheme}-g{self.group_size}"
-        return base + ("-sym" if self.symmetric and self.scheme == "int4" else "")
+        base += "-sym" if self.symmetric and self.scheme == "int4" else ""
+        return base + ("-float-head" if self.source == "engine" and not self.lm_head else "")
+
+    def quantizes_lm_head(self) -> bool:
+        """Whether the quantization pass takes the LM head too (a checkpoint: when it holds it quantized)."""
+        return self.lm_head or self.source != "engine"

@@ -1,4 +1,5 @@
-"""Weight-only quantization: every constant-weight linear but the LM head becomes a quantized op.
+"""Weight-only quantization: every constant-weight linear (by default the LM head too) becomes a
+quantized op.
 
 Why: one-request decode reads every weight once per token, so its speed is bytes; int8 halves
 them and int4 quarters them (docs/quantization.md). Done on the graph, not the model, so the
@@ -12,7 +13,10 @@ freeze_parameters, and after fuse_linears so fused q/k/v and gate/up are quantiz
     int4:  int4_weight_linear(x, W_q, scales, zeros, group_size, b)
 
 (kernels/quantized_linear.py; kernels/weight_quantization.py has the layouts). The LM head (the
-model's output embedding) keeps the model dtype, as the embedding does. Each weight is quantized
+model's output embedding) is quantized like the rest unless `WeightQuantization.lm_head` is off
+(EngineArgs' `quantize_lm_head`): one-request decode streams it every token (a tied head of a
+151,936-token vocabulary is over a quarter of a 0.5B model's bytes). A tied input embedding keeps
+its float weight: the embedding is a gather of a few rows, not a stream. Each weight is quantized
 once per model: `QuantizedWeightCache` is shared by every graph Dynamo traces of it. The per-bucket
 pass graphs/passes/cpu_gemv_quantized.py may later swap these ops for the C++ GEMV's.
 """
@@ -129,7 +133,8 @@ def _fake(node: Any) -> Any:
 
 
 class QuantizeLinears:
-    """Constant-weight linears (not the LM head) become int8/int4 weight-only ops over quantized constants."""
+    """Constant-weight linears become int8/int4 weight-only ops over quantized constants (the LM head
+    too unless the scheme keeps it in the model dtype)."""
 
     name = "quantize_linears"
     version = source_version(
@@ -157,7 +162,8 @@ class QuantizeLinears:
             if weight is None or weight.dim() != 2:
                 notes.append(f"kept {node.name}: weight is not a 2-D graph constant")
                 continue
-            if _same_tensor(weight, self.lm_head):
+            is_lm_head = _same_tensor(weight, self.lm_head)
+            if is_lm_head and not quantization.quantizes_lm_head():
                 notes.append(f"kept {node.name}: the LM head stays in {weight.dtype}")
                 continue
             if bias_node is not None and constant_tensor(gm, bias_node) is None:
@@ -208,5 +214,7 @@ class QuantizeLinears:
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
             rewritten += 1
+            if is_lm_head:
+                notes.append(f"quantized {node.name}: the LM head, to {quantization.label}")
         notes.insert(0, f"{rewritten} linear(s) quantized to {quantization.label}")
         return PassResult(self.name, rewritten, tuple(notes))
