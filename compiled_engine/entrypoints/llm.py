@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -146,16 +146,17 @@ class LLM:
                 "LLM.embed() needs a pooling model: load a sentence-transformers folder, or pass "
                 "runner='pooling' (with pooler_config for a plain model folder)"
             )
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
+        batch: list[EmbedPrompt]
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            batch = [cast(EmbedPrompt, prompts)]  # one prompt (a text or its token ids)
+        else:
+            batch = list(cast(Sequence[EmbedPrompt], prompts))
         if truncate_prompt_tokens is not None:
             base = pooling_params if isinstance(pooling_params, PoolingParams) else PoolingParams()
             if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
                 raise ValueError("truncate_prompt_tokens with a list of pooling_params: set it in each")
             pooling_params = dataclasses.replace(base, truncate_prompt_tokens=truncate_prompt_tokens)
-        return self.engine.embed(list(prompts), pooling_params)  # type: ignore[arg-type]
+        return self.engine.embed(batch, pooling_params)
 
     def generate(
         self,
