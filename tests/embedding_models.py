@@ -75,6 +75,9 @@ def make_sentence_transformers_folder(
     return out
 
 
+# Small enough that TEXTS (4 to 106 tokens) run as several packed steps of at most 3 inputs.
+PACKED = {"max_model_len": 128, "max_num_batched_tokens": 128, "max_num_seqs": 3}
+
 # Mixed lengths: a few tokens up to well past one KV block (16 tokens) and into several.
 TEXTS = [
     "hello",

@@ -16,11 +16,9 @@ from compiled_engine import LLM
 from compiled_engine.errors import ModelLoadError, UnsupportedModelError
 from compiled_engine.pooling.step_packing import pack_steps
 from compiled_engine.pooling_params import PoolingParams
-from tests.embedding_models import TEXTS, make_sentence_transformers_folder
+from tests.embedding_models import PACKED, TEXTS, make_sentence_transformers_folder
 
 COSINE = 0.99999
-# Small enough that TEXTS (4 to 106 tokens) run as several packed steps of at most 3 inputs.
-PACKED = {"max_model_len": 128, "max_num_batched_tokens": 128, "max_num_seqs": 3}
 
 
 def reference(folder, texts, **kwargs) -> torch.Tensor:
@@ -40,15 +38,14 @@ def assert_parity(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.norm(dim=-1), want.norm(dim=-1), rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def qwen3_folder(tmp_path_factory):
-    return make_sentence_transformers_folder(tmp_path_factory.mktemp("st"), "qwen3", "lasttoken")
+@pytest.fixture
+def qwen3_folder(st_qwen3_folder):
+    return st_qwen3_folder
 
 
-@pytest.fixture(scope="module")
-def qwen3_llm(qwen3_folder):
-    # runner "auto": the folder's modules.json makes it a pooling model.
-    return LLM(model=str(qwen3_folder), device="cpu", enforce_eager=True, **PACKED)
+@pytest.fixture
+def qwen3_llm(st_qwen3_llm):
+    return st_qwen3_llm
 
 
 def test_qwen3_last_token_matches_sentence_transformers_single_and_batched(qwen3_folder, qwen3_llm):
@@ -74,8 +71,10 @@ def test_packing_keeps_each_step_under_the_budget():
         pack_steps([4, 9], token_budget=8, max_seqs=4)
 
 
-# CLS joins the slow set: the default run's budget (each case builds and traces an engine).
-@pytest.mark.parametrize("mode", ["mean", pytest.param("cls", marks=pytest.mark.slow)])
+# Slow (the default run's budget: each case builds and traces an engine); the default run covers MEAN
+# on this body through test_pooler_config_overrides_the_folder, CLS through the RoBERTa case.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["mean", "cls"])
 def test_mean_and_cls_pooling_match_sentence_transformers(tmp_path, mode):
     folder = make_sentence_transformers_folder(tmp_path, "qwen3", mode, normalize=False, seed=3)
     llm = LLM(model=str(folder), runner="pooling", device="cpu", enforce_eager=True, **PACKED)

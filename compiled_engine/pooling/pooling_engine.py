@@ -65,7 +65,7 @@ class PoolingEngine:
         ):
             if unsupported:
                 raise ValueError(f"{name} is not supported with runner='pooling'")
-        model_dir = args.resolve_model_dir()
+        self.model_dir = model_dir = args.resolve_model_dir()
         pipeline = read_pipeline(model_dir)
         if pipeline is None and args.pooler_config is None:
             raise ModelLoadError(
@@ -164,6 +164,16 @@ class PoolingEngine:
         params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Every prompt's embedding, in input order; every input is checked before any step runs."""
+        return self.run(self.prepare(prompts, params))
+
+    def prepare(
+        self,
+        prompts: Sequence[EmbedPrompt],
+        params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[tuple[list[int], PoolingParams]]:
+        """Each prompt's checked token ids and params; ValueError naming the first problem."""
+        if not prompts:
+            raise ValueError("no input: give at least one prompt")
         if params is None:
             params = PoolingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
@@ -173,7 +183,12 @@ class PoolingEngine:
             if not isinstance(p, PoolingParams):
                 raise TypeError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
             self.check_params(p)
-        token_lists = [self.tokenize(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+        return [(self.tokenize(prompt, p), p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+
+    def run(self, prepared: Sequence[tuple[list[int], PoolingParams]]) -> list[EmbeddingRequestOutput]:
+        """The embeddings of prepared inputs (`prepare`), packed into as few steps as fit."""
+        token_lists = [tokens for tokens, _ in prepared]
+        per_prompt = [p for _, p in prepared]
         pooled: list[torch.Tensor | None] = [None] * len(token_lists)
         for step in pack_steps([len(t) for t in token_lists], self.token_budget, self.config.max_num_seqs):
             vectors = self.runner.run([token_lists[i] for i in step]).cpu()
