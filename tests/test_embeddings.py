@@ -188,3 +188,17 @@ def test_encoder_body_refuses_a_causal_only_backend(tmp_path):
     folder = make_sentence_transformers_folder(tmp_path, "bert", "cls", seed=5)
     with pytest.raises(ValueError, match="attention_backend='cpu' attends causally only"):
         LLM(model=str(folder), device="cpu", enforce_eager=True, attention_backend="cpu")
+
+
+def test_pooler_config_and_runner_options_are_checked():
+    from compiled_engine.engine_args import EngineArgs
+
+    assert EngineArgs(pooler_config='{"pooling_type": "mean"}').pooler_config.pooling_type == "MEAN"
+    with pytest.raises(ValueError, match="pooler_config is not valid JSON"):
+        EngineArgs(pooler_config="{mean")
+    with pytest.raises(ValueError, match="pooler_config normalize must be true or false, got 'yes'"):
+        EngineArgs(pooler_config={"normalize": "yes"})
+    with pytest.raises(ValueError, match="pooler_config must be a dict"):
+        EngineArgs(pooler_config=["MEAN"])
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be a positive int or -1"):
+        PoolingParams(truncate_prompt_tokens=0)
