@@ -2,12 +2,14 @@
 
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.outputs import CompletionOutput, RequestOutput
+from compiled_engine.pooling_params import PoolingParams
 from compiled_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "EngineArgs",
     "SamplingParams",
+    "PoolingParams",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from compiled_engine.pooler_config import PoolerConfig, parse_pooler_config
 from compiled_engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -89,6 +90,17 @@ def _speculative_json(text: str) -> SpeculativeConfig | None:
         return parse_speculative_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pooler_json(text: str) -> PoolerConfig | None:
+    try:
+        return parse_pooler_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# vLLM's `runner`: what the model is run for ("auto": pooling for a sentence-transformers folder).
+RUNNER_CHOICES = ("auto", "generate", "pooling")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -229,6 +241,19 @@ class EngineArgs:
         '"prompt_lookup_max": 5, "disable_by_batch_size": 2}\' (docs/speculative_decoding.md)',
         parse=_speculative_json,
     )
+    runner: str = option(
+        "auto",
+        "generate text, or pool hidden states into embeddings (auto: pooling when the model folder "
+        "is a sentence-transformers one, with modules.json; docs/embeddings.md)",
+        choices=RUNNER_CHOICES,
+    )
+    # A dict as vLLM takes it (or its JSON text); kept as the checked record.
+    pooler_config: PoolerConfig | None = option(
+        None,
+        'pooling as JSON, vLLM\'s shape: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}\' '
+        "(default: the folder's sentence-transformers files; docs/embeddings.md)",
+        parse=_pooler_json,
+    )
 
     def __post_init__(self) -> None:
         # Frozen and picklable as given: paths and devices as strings, lists as tuples.
@@ -239,6 +264,9 @@ class EngineArgs:
         if self.compile_buckets is not None and not isinstance(self.compile_buckets, tuple):
             object.__setattr__(self, "compile_buckets", tuple(self.compile_buckets))
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
+        object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
+        if self.runner not in RUNNER_CHOICES:
+            raise ValueError(f"unknown runner {self.runner!r}: choose one of {', '.join(RUNNER_CHOICES)}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))
         reserved = self.cpu_reserved_cores
@@ -320,6 +348,14 @@ class EngineArgs:
         from compiled_engine.default_model_path import default_model_dir
 
         return str(default_model_dir())
+
+    def resolve_runner(self) -> str:
+        """`runner`, with "auto" resolved: "pooling" for a sentence-transformers folder (modules.json)."""
+        if self.runner != "auto":
+            return self.runner
+        # A sentence-transformers folder lists its modules in modules.json (pooling/'s reader).
+        is_pooling = os.path.isfile(os.path.join(self.resolve_model_dir(), "modules.json"))
+        return "pooling" if is_pooling else "generate"
 
     def resolve_device(self) -> torch.device:
         """`device`, else CUDA when available, else the CPU (a rank's CUDA index is set later)."""

@@ -30,6 +30,9 @@ SEQ_LENS_KWARG = "ce_seq_lens"
 QUERY_START_LOC_KWARG = "ce_query_start_loc"
 # Set only by CapturedModel's eager diagnosis run: validate every layer, attend to nothing.
 VALIDATE_ONLY_KWARG = "ce_validate_only"
+# Set only by a pooling model's step (compiled_engine/pooling/): layers that are not causal (an
+# encoder body) attend over their whole sequence. Without it such a layer is refused.
+BIDIRECTIONAL_KWARG = "ce_bidirectional"
 
 _STEP_KWARGS = (
     KV_CACHES_KWARG,
@@ -73,7 +76,7 @@ def paged_attention_forward(
     All checks below are plain Python on shapes and attributes: under Dynamo they run once at
     trace time and leave nothing in the graph.
     """
-    _check_supported(module, query, attention_mask, dropout, kwargs)
+    _check_supported(module, query, attention_mask, dropout, sliding_window, kwargs)
     # transformers' attention modules hold their layer's index as an int (checked not None above).
     layer_idx = cast(int, module.layer_idx)
     kv_caches = kwargs[KV_CACHES_KWARG]
@@ -85,6 +88,8 @@ def paged_attention_forward(
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
 
     head_dim = query.shape[-1]
+    # Passed only when False, so causal graphs keep the op's call as it always was.
+    bidirectional = () if getattr(module, "is_causal", True) else (False,)
     # [1, H, T, D] -> [T, H, D]: views only; the op takes strided inputs.
     out = torch.ops.compiled_engine.paged_attention(
         query[0].transpose(0, 1),
@@ -98,6 +103,7 @@ def paged_attention_forward(
         head_dim**-0.5 if scaling is None else scaling,
         -1 if sliding_window is None else sliding_window,
         0.0 if softcap is None else softcap,
+        *bidirectional,
     )
     # The op returns a fresh contiguous [T, Hq, D]; [1, T, Hq, D] is what HF's o_proj path expects.
     return out.unsqueeze(0), None
@@ -108,6 +114,7 @@ def _check_supported(
     query: torch.Tensor,
     attention_mask: torch.Tensor | None,
     dropout: float,
+    sliding_window: int | None,
     kwargs: dict[str, Any],
 ) -> None:
     name = type(module).__name__
@@ -124,8 +131,13 @@ def _check_supported(
         )
     if getattr(module, "layer_idx", None) is None:
         raise UnsupportedModelError(f"{name} has no layer_idx, so its KV cache cannot be chosen")
-    if not getattr(module, "is_causal", True):
-        raise UnsupportedModelError(f"{name} is bidirectional; the paged-attention op is causal only")
+    if not getattr(module, "is_causal", True) and not kwargs.get(BIDIRECTIONAL_KWARG, False):
+        raise UnsupportedModelError(
+            f"{name} is bidirectional; the paged-attention op attends bidirectionally only for "
+            "embedding models (runner='pooling')"
+        )
+    if not getattr(module, "is_causal", True) and sliding_window is not None:
+        raise UnsupportedModelError(f"{name} is bidirectional with a sliding window, which the op lacks")
     if attention_mask is not None:
         raise UnsupportedModelError(
             f"{name} built its own attention mask, which the paged-attention op cannot apply "

@@ -65,6 +65,8 @@ _RECOMPILE_LIMIT = 32
 _step_ids = itertools.count()
 
 GraphCompiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
+# What the traced step runs: (model, kv_caches, inputs, validate_only) -> the step's output rows.
+ModelCall = Callable[[torch.nn.Module, list[torch.Tensor], StepInputs, bool], torch.Tensor]
 
 
 def _run_model(
@@ -96,8 +98,11 @@ class CapturedModel:
         kv_caches: list[torch.Tensor],
         pass_manager: PassManager,
         graph_compiler: GraphCompiler | None = None,
+        run_model: ModelCall | None = None,
     ) -> None:
         self.model = model
+        # The LM's logits by default; a pooling model's hidden states (compiled_engine/pooling/).
+        self._run_model: ModelCall = run_model or _run_model
         self.kv_caches = kv_caches
         self.pass_manager = pass_manager
         self.graphs: list[fx.GraphModule] = []
@@ -113,7 +118,7 @@ class CapturedModel:
         def forward_step(inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
             # Keeps the metadata in the graph even if the model never reads it (route b).
             anchor_step_metadata(inputs, kv_caches)
-            return _run_model(model, kv_caches, inputs)
+            return self._run_model(model, kv_caches, inputs, False)
 
         self._compiled = torch.compile(
             _with_own_code_object(forward_step), backend=self._backend, fullgraph=True, dynamic=True
@@ -163,7 +168,7 @@ class CapturedModel:
         call skipped (nothing is written to the KV cache), the same check raises the real error.
         """
         try:
-            _run_model(self.model, self.kv_caches, inputs, validate_only=True)
+            self._run_model(self.model, self.kv_caches, inputs, True)
         except UnsupportedModelError as error:
             return error
         except Exception:
@@ -201,6 +206,7 @@ def capture_model(
     attention_backend: AttentionBackend | None = None,
     tensor_parallel: TensorParallelLayout | None = None,
     quantization: WeightQuantization | None = None,
+    run_model: ModelCall | None = None,
 ) -> CapturedModel:
     """Prepare `model` for serving with paged attention; graphs are traced on first calls.
 
@@ -212,7 +218,8 @@ def capture_model(
     paged-attention implementation the graphs call (kernels/backends.py; default the torch op).
     `tensor_parallel`: the layout `model`'s weights were loaded in (model_loader/loader.py).
     `quantization`: weight-only quantization of every linear but the LM head
-    (graphs/passes/quantize_linears.py).
+    (graphs/passes/quantize_linears.py). `run_model`: what a step computes from the model (default:
+    the logits of `logits_indices`; compiled_engine/pooling/ asks for hidden-state rows).
     """
     _check_kv_caches(kv_caches)
     register_paged_attention()
@@ -236,4 +243,4 @@ def capture_model(
         lm_head=getattr(head, "weight", None),
         model=model,
     )
-    return CapturedModel(model, kv_caches, pass_manager, graph_compiler)
+    return CapturedModel(model, kv_caches, pass_manager, graph_compiler, run_model)

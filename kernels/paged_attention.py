@@ -22,6 +22,10 @@ Shapes (T = tokens this step, S = sequences this step):
   scale            softmax scale applied to q·k
   sliding_window   > 0: a query at position p sees keys at positions > p - sliding_window
   softcap          > 0: scores = softcap * tanh(scores / softcap) before the softmax
+  causal           True (generation): a query sees keys up to its own position; False (encoder
+                   bodies of embedding models, compiled_engine/pooling/): every query sees its
+                   whole sequence (all seq_len keys). Only the torch op takes False: the
+                   other backends attend causally and refuse it (select_attention_backend)
 Returns [T, Hq, D] in query's dtype (maths in float32 whatever the cache holds).
 
 Padding: rows with slot -1 have their k/v written into the cache's last block, the scratch
@@ -53,6 +57,7 @@ def paged_attention(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     from compiled_engine.kernels.reference import paged_attention_reference
 
@@ -68,6 +73,7 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        causal,
     )
 
 
@@ -84,6 +90,7 @@ def _paged_attention_fake(
     scale,
     sliding_window=-1,
     softcap=0.0,
+    causal=True,
 ):
     # A fresh contiguous tensor: Inductor fails at run time with empty_like of a view.
     return query.new_empty(query.shape)

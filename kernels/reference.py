@@ -38,8 +38,10 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Write this step's k/v into `kv_cache`, then attend each query over its sequence's cache.
+    """Write this step's k/v into `kv_cache`, then attend each query over its sequence's cache
+    (up to its own position, or with `causal=False` the whole sequence).
 
     Query rows outside every sequence (bucket padding after query_start_loc[-1]) return zeros.
     """
@@ -67,6 +69,8 @@ def paged_attention_reference(
     seq_idx = seq_idx.clamp(max=seq_lens.shape[0] - 1)
     # A sequence's queries are its last q_len tokens: position = seq_len - (query_end - token).
     positions = seq_lens[seq_idx] - (query_start_loc[seq_idx + 1] - token_idx)
+    # The last key position each query sees: its own, or (bidirectional) its sequence's last.
+    last_visible = positions if causal else seq_lens[seq_idx] - 1
 
     key_positions = torch.arange(context_len, device=device)
     # Block-table entries past a sequence's length may be padding (-1 or stale ids); clamp them
@@ -89,7 +93,7 @@ def paged_attention_reference(
         q = query[start:end].float().reshape(size, num_kv_heads, group, head_dim)
 
         pos = positions[start:end, None]
-        visible = (key_positions[None, :] <= pos) & token_valid[start:end, None]  # [C, L]
+        visible = (key_positions[None, :] <= last_visible[start:end, None]) & token_valid[start:end, None]
         if sliding_window > 0:
             visible &= key_positions[None, :] > pos - sliding_window
         # Unwritten or stale slots may hold NaN/inf; a zero weight does not cancel them (0 * NaN).

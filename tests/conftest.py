@@ -46,3 +46,21 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> str:
     return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def st_qwen3_folder(tmp_path_factory):
+    """A tiny random Qwen3 sentence-transformers folder (last-token pooling, normalized)."""
+    from tests.embedding_models import make_sentence_transformers_folder
+
+    return make_sentence_transformers_folder(tmp_path_factory.mktemp("st"), "qwen3", "lasttoken")
+
+
+@pytest.fixture(scope="session")
+def st_qwen3_llm(st_qwen3_folder):
+    """An eager pooling LLM on st_qwen3_folder, shared by the embedding and embedding-server tests
+    (its graphs are traced once). runner "auto": the folder's modules.json makes it a pooling model."""
+    from compiled_engine import LLM
+    from tests.embedding_models import PACKED
+
+    return LLM(model=str(st_qwen3_folder), device="cpu", enforce_eager=True, **PACKED)

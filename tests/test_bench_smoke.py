@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Suites that start servers, fresh processes or compilers: their smoke runs are the slow tests
 # below, which keeps the default run's time in budget.
 COMPILE_POLICY_SUITES = ("bench/test_cold_start_serving.py", "bench/test_compile_cost.py")
+# Compiles a pooling body with Inductor: slow too.
+EMBEDDING_SUITES = ("bench/test_embeddings.py",)
 PROCESS_SUITES = (
     "bench/test_startup.py",
     "bench/test_step_timeline.py",
@@ -41,12 +43,19 @@ def _run_bench_smoke(tmp_path, *args: str) -> str:
 
 
 def test_bench_suites_run_at_smoke_sizes(tmp_path):
-    ignored = (*COMPILE_POLICY_SUITES, *PROCESS_SUITES)
+    ignored = (*COMPILE_POLICY_SUITES, *PROCESS_SUITES, *EMBEDDING_SUITES)
     stdout = _run_bench_smoke(tmp_path, "bench", *(f"--ignore={suite}" for suite in ignored))
     # ttft, decode and throughput on bench-small, each for ours and HF; the detokenizer, Rust and
     # transformers decode; host work per step with the null model at 1, 64 and 256 running requests;
     # decode attention on bf16, int8 and fp8 KV caches.
     assert "14 passed" in stdout, stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_embedding_bench_runs_at_smoke_size(tmp_path):
+    stdout = _run_bench_smoke(tmp_path, *EMBEDDING_SUITES)
+    # One input count at smoke size (the second is skipped), ours against sentence-transformers.
+    assert "1 passed, 1 skipped" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -618,3 +618,11 @@ def test_cli_serve_drains_in_flight_streams_on_sigterm(chat_model_dir, tmp_path)
     output = log_path.read_text()
     assert f"request_id={chunks[0].id} " in output and "output_tokens=120" in output
     assert "Application shutdown complete" in output  # the lifespan ran: the engine was shut down
+
+
+def test_embeddings_on_a_generation_model_is_400(client):
+    with pytest.raises(
+        openai.BadRequestError, match="is a generation model: /v1/embeddings needs a pooling model"
+    ):
+        client.embeddings.create(model=MODEL, input="x")
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1

@@ -59,8 +59,9 @@ def _warmup(args: argparse.Namespace) -> int:
 
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), compile_policy="blocking")
     llm = LLM.from_engine_args(engine_args)
-    runner = llm.engine.model_runner
-    config = llm.engine.config
+    engine = llm.generation_engine("warmup")
+    runner = engine.model_runner
+    config = engine.config
     weights = config.quantization.label if config.quantization else str(config.dtype).removeprefix("torch.")
     rows = warm_up_buckets(runner.step_graph, kv_cache_dtype=config.kv_cache_dtype, weights=weights)
     cache_entry = runner.step_graph.cache_entry

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +14,9 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.outputs import RequestOutput
+from compiled_engine.pooling.outputs import EmbeddingRequestOutput
+from compiled_engine.pooling.pooling_engine import EmbedPrompt, PoolingEngine
+from compiled_engine.pooling_params import PoolingParams
 from compiled_engine.sampling_params import SamplingParams
 
 
@@ -99,7 +102,12 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             **engine_args,
         )
-        self.engine = LLMEngine(args)
+        self.engine: LLMEngine | PoolingEngine
+        if args.resolve_runner() == "pooling":
+            # An embedding model: no scheduler, no KV blocks (compiled_engine/pooling/).
+            self.engine = PoolingEngine(args)
+        else:
+            self.engine = LLMEngine(args)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -114,7 +122,41 @@ class LLM:
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self.generation_engine("stats").stats()
+
+    def generation_engine(self, method: str) -> LLMEngine:
+        """The generation engine; `method` names the caller in the error a pooling model gets."""
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError(
+                f"LLM.{method}() needs a generation model; this one is a pooling model (use embed())"
+            )
+        return self.engine
+
+    def embed(
+        self,
+        prompts: EmbedPrompt | Sequence[EmbedPrompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, token ids, {"prompt": ...} or {"prompt_token_ids": ...}),
+        in input order; `truncate_prompt_tokens` as in `PoolingParams` (docs/embeddings.md)."""
+        if not isinstance(self.engine, PoolingEngine):
+            raise ValueError(
+                "LLM.embed() needs a pooling model: load a sentence-transformers folder, or pass "
+                "runner='pooling' (with pooler_config for a plain model folder)"
+            )
+        batch: list[EmbedPrompt]
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            batch = [cast(EmbedPrompt, prompts)]  # one prompt (a text or its token ids)
+        else:
+            batch = list(cast(Sequence[EmbedPrompt], prompts))
+        if truncate_prompt_tokens is not None:
+            base = pooling_params if isinstance(pooling_params, PoolingParams) else PoolingParams()
+            if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+                raise ValueError("truncate_prompt_tokens with a list of pooling_params: set it in each")
+            pooling_params = dataclasses.replace(base, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.engine.embed(batch, pooling_params)
 
     def generate(
         self,
@@ -123,33 +165,34 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns the finished outputs in input order."""
+        engine = self.generation_engine("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         # Everything is validated before the first request is queued: one bad prompt
         # rejects the call and leaves the engine exactly as it was.
-        validated = self.engine.validate(prompts, sampling_params)
+        validated = engine.validate(prompts, sampling_params)
         ids = []
         try:
             for processed, params in validated:
-                rid = self.engine.next_request_id()
-                self.engine.add_request(rid, processed, params)
+                rid = engine.next_request_id()
+                engine.add_request(rid, processed, params)
                 ids.append(rid)
-            finals = self._run_to_completion(len(ids), use_tqdm)
+            finals = self._run_to_completion(engine, len(ids), use_tqdm)
         except BaseException:
-            self.engine.abort_request(ids)
+            engine.abort_request(ids)
             # Steps still in flight hold the aborted requests' blocks. A failure here is a
             # consequence of the one being raised, which is the one to report.
             with contextlib.suppress(Exception):
-                self.engine.drain()
+                engine.drain()
             raise
         return [finals[rid] for rid in ids]
 
-    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_to_completion(self, engine: LLMEngine, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finals: dict[str, RequestOutput] = {}
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
         with bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+            while engine.has_unfinished_requests():
+                for out in engine.step():
                     if out.finished:
                         finals[out.request_id] = out
                         bar.update(1)

@@ -35,7 +35,9 @@ from safetensors import safe_open
 from transformers import (
     CONFIG_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_MAPPING,
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -69,17 +71,20 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     tensor_parallel: tuple[int, int] | None = None,
+    body_only: bool = False,
 ) -> LoadedModel:
     """Load the causal LM in `model_dir` in `dtype` ("auto" | "float32" | "bfloat16" | "float16").
 
     `tensor_parallel=(rank, world_size)`: load only that rank's slice of every sharded weight.
+    `body_only`: load the model's body without a head (AutoModel's class: `Qwen3Model`,
+    `BertModel`), as embedding models (compiled_engine/pooling/) run it.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist or is not a directory")
     device = torch.device(device)
     hf_config = _read_config(model_dir)
-    model_class = _causal_lm_class(hf_config, model_dir)
+    model_class = _body_class(hf_config, model_dir) if body_only else _causal_lm_class(hf_config, model_dir)
     target_dtype = _resolve_dtype(dtype, hf_config, model_dir)
     shards = _find_weight_files(model_dir)
     quantization = checkpoint_quantization(
@@ -93,7 +98,7 @@ def load_model(
         quantization=quantization,
     )
 
-    model = _build_on_meta(model_class, hf_config, target_dtype, model_dir)
+    model = _build_on_meta(model_class, hf_config, target_dtype, model_dir, body_only)
     layout = TensorParallelLayout.for_model(model, *tensor_parallel) if tensor_parallel else None
     _materialise_non_persistent_buffers(model, device, model_dir)
     where = _checkpoint_names(shards)
@@ -185,6 +190,16 @@ def _causal_lm_class(hf_config, model_dir: Path) -> type[PreTrainedModel]:
     return model_class
 
 
+def _body_class(hf_config, model_dir: Path) -> type[PreTrainedModel]:
+    # AutoModel's class for the model_type: the body whose last hidden states a pooler reads.
+    if type(hf_config) not in MODEL_MAPPING:
+        raise UnsupportedModelError(
+            f"model_type {hf_config.model_type!r} in {model_dir / 'config.json'} has no base-model "
+            f"class in transformers {transformers.__version__}"
+        )
+    return cast("type[PreTrainedModel]", MODEL_MAPPING[type(hf_config)])
+
+
 def _resolve_dtype(dtype: str, hf_config, model_dir: Path) -> torch.dtype:
     if dtype == "auto":
         return config_dtype(hf_config)
@@ -199,10 +214,13 @@ def _resolve_dtype(dtype: str, hf_config, model_dir: Path) -> torch.dtype:
 # -- model skeleton ---------------------------------------------------------------------------------
 
 
-def _build_on_meta(model_class, hf_config, dtype: torch.dtype, model_dir: Path) -> PreTrainedModel:
+def _build_on_meta(
+    model_class, hf_config, dtype: torch.dtype, model_dir: Path, body_only: bool = False
+) -> PreTrainedModel:
+    auto_class = AutoModel if body_only else AutoModelForCausalLM
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            model = auto_class.from_config(hf_config, dtype=dtype)
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         raise UnsupportedModelError(
             f"{model_class.__name__} from {model_dir} cannot be built on the meta device: {exc}"

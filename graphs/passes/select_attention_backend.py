@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from compiled_engine.errors import UnsupportedModelError
 from compiled_engine.graphs.pass_manager import PassResult
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.kernels.source_version import source_version
@@ -39,6 +40,12 @@ class SelectAttentionBackend:
         retargeted = 0
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target in targets:
+                # The op's 12th argument, `causal`, is only ever passed as False (an encoder body).
+                if len(node.args) > 11 or node.kwargs.get("causal", True) is False:
+                    raise UnsupportedModelError(
+                        f"attention_backend {self.backend.name!r} attends causally only; this model's "
+                        "bidirectional attention runs on attention_backend='torch'"
+                    )
                 node.target = self.backend.op.default
                 retargeted += 1
         return PassResult(self.name, retargeted, (f"{retargeted} call(s) now run {self.backend.name}",))

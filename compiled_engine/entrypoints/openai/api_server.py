@@ -2,9 +2,10 @@
 what `compiled-engine serve` runs (uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /ready,
-GET /metrics. Errors use OpenAI's JSON shape (errors.py). Shutdown: on SIGTERM or Ctrl-C uvicorn
-stops accepting connections and lets every response in flight (streams included) finish, then
-the app's lifespan ends and the engine shuts down.
+GET /metrics (POST /v1/embeddings: a 400 here; a pooling model gets serving_embeddings.py's app).
+Errors use OpenAI's JSON shape (errors.py). Shutdown: on SIGTERM or Ctrl-C uvicorn stops accepting
+connections and lets every response in flight (streams included) finish, then the app's lifespan
+ends and the engine shuts down.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    _add_error_handlers(app)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -101,18 +102,25 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
-        body = await _parse(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest)
         return await _unless_disconnected(request, completions.create(body), streaming=body.stream)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest)
         return await _unless_disconnected(request, chat.create(body), streaming=body.stream)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_on_a_generation_model():
+        raise bad_request(
+            f"the model {models.default!r} is a generation model: /v1/embeddings needs a pooling model "
+            "(serve a sentence-transformers folder, or --runner pooling)"
+        )
 
     return app
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def parse_body(request: Request, model: type[BaseModel]):
     """The body as `model`; malformed JSON or fields are a 400 naming the first bad field."""
     raw = await request.body()
     try:
@@ -166,7 +174,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
         return exc.response()
@@ -198,6 +206,9 @@ def run_server(args: ServerArgs) -> int:
         print(f"compiled-engine: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("compiled_engine.requests").setLevel(logging.INFO)
+    names = args.served_model_names()
+    if args.resolve_runner() == "pooling":
+        return _serve_pooling_model(args, sock, names)
     # The engine (and its workers) get the engine's options only: never the API key. It runs in a
     # process of its own, so its steps never hold this process's GIL (engine/process_async_llm.py).
     engine_args = args.engine_args()
@@ -206,7 +217,6 @@ def run_server(args: ServerArgs) -> int:
         engine = DataParallelAsyncLLM.start(engine_args)
     else:  # one engine: a local process, or a Ray actor
         engine = replica_starter(replica_args(engine_args, 1), engine_args.distributed_executor_backend)()
-    names = args.served_model_names()
     app = build_app(
         engine,
         served_model_names=names,
@@ -225,6 +235,29 @@ def run_server(args: ServerArgs) -> int:
     finally:
         engine.shutdown()
     return 0 if not engine.errored else 1
+
+
+def _serve_pooling_model(args: ServerArgs, sock: socket.socket, names: Sequence[str]) -> int:
+    """An embedding model: its engine in this process, its own app (serving_embeddings.py)."""
+    import uvicorn
+
+    from compiled_engine.entrypoints.openai.serving_embeddings import build_embedding_app
+    from compiled_engine.pooling.pooling_engine import PoolingEngine
+
+    app = build_embedding_app(
+        PoolingEngine(args.engine_args()),
+        served_model_names=names,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5))
+    print(
+        f"compiled-engine: serving {', '.join(names)} (embeddings) on "
+        f"http://{args.host}:{sock.getsockname()[1]}",
+        flush=True,
+    )
+    server.run(sockets=[sock])
+    return 0
 
 
 def _bind(host: str, port: int) -> socket.socket:
