@@ -42,6 +42,7 @@ def _run_bench_smoke(tmp_path, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # ~90 s of compiles and HF runs: the default run's budget
 def test_bench_suites_run_at_smoke_sizes(tmp_path):
     ignored = (*COMPILE_POLICY_SUITES, *PROCESS_SUITES, *EMBEDDING_SUITES)
     stdout = _run_bench_smoke(tmp_path, "bench", *(f"--ignore={suite}" for suite in ignored))

@@ -10,8 +10,6 @@ so when its result is asked for.
 
 from __future__ import annotations
 
-import time
-
 from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.worker_main import ServeRank
 from compiled_engine.distributed.workers import (
@@ -19,6 +17,7 @@ from compiled_engine.distributed.workers import (
     JOIN_TIMEOUT_S,
     STOP_TIMEOUT_S,
     TensorParallelWorkerError,
+    poll_failure,
 )
 
 
@@ -45,12 +44,11 @@ class RayWorkers:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from compiled_engine.engine.engine_process import engine_environment
-        from compiled_engine.engine.ray_engine import connect_ray
+        from compiled_engine.distributed.ray_cluster import connect_ray, openmp_environment
 
         connect_ray()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        env = engine_environment({})
+        env = openmp_environment({})
         self.actors = [
             _actor_class()
             .options(num_cpus=0, scheduling_strategy=here, runtime_env={"env_vars": env})
@@ -98,10 +96,7 @@ class RayWorkers:
         return "\n".join(problems) or None
 
     def wait_for_failure(self, timeout_s: float = FAILURE_GRACE_S) -> str | None:
-        deadline = time.monotonic() + timeout_s
-        while (failure := self.failure()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return failure
+        return poll_failure(self.failure, timeout_s)
 
     def kill(self) -> None:
         import ray

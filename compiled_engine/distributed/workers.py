@@ -11,6 +11,7 @@ import multiprocessing as mp
 import queue
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,14 @@ class _Report:
     kind: str  # "joining" or "error"
     rank: int
     text: str = ""
+
+
+def poll_failure(failure: Callable[[], str | None], timeout_s: float) -> str | None:
+    """`failure()` until it names one or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while (found := failure()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 class Workers(Protocol):
@@ -111,10 +120,7 @@ class WorkerProcesses:
 
     def wait_for_failure(self, timeout_s: float = FAILURE_GRACE_S) -> str | None:
         """failure(), given a dying worker a moment to be reaped (its sockets close first)."""
-        deadline = time.monotonic() + timeout_s
-        while (failure := self.failure()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return failure
+        return poll_failure(self.failure, timeout_s)
 
     def kill(self) -> None:
         for process in self.processes:

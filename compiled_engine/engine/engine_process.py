@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from compiled_engine.distributed.ray_cluster import openmp_environment
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
@@ -187,16 +188,9 @@ class EngineProcess:
 
 
 def engine_environment(environ) -> dict[str, str]:
-    """The engine process's environment: the server's, and unless the user chose an OpenMP wait
-    policy, GNU OpenMP's short spin (1,000 rounds, what libgomp itself uses once a process has more
-    OpenMP threads than cores). Its default in a process of one team — this one: the main thread
-    runs every step — spins 300,000 rounds after each parallel region, which on a machine with
-    more runnable threads than cores (the server, its clients) keeps a waiting thread on a core the
-    thread with the work needs: steps measured 3-9x slower on 2 shared cores (docs/performance.md)."""
-    env = dict(environ)
-    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
-        env["GOMP_SPINCOUNT"] = "1000"
-    return env
+    """The engine process's environment: the server's, with OpenMP's short spin unless the user
+    chose a wait policy (distributed/ray_cluster.py says why)."""
+    return openmp_environment(environ)
 
 
 def serving_defaults(args):

@@ -22,6 +22,7 @@ import threading
 import traceback
 from typing import Any
 
+from compiled_engine.distributed.ray_cluster import connect_ray
 from compiled_engine.engine.engine_process import (
     EngineFailed,
     EngineReady,
@@ -116,14 +117,6 @@ def _actor_class():
     return ray.remote(max_concurrency=4)(EngineActor)  # type: ignore[call-overload]
 
 
-def connect_ray() -> None:
-    """Join the cluster RAY_ADDRESS names (a local one when unset), unless already connected."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
-
-
 class _ActorConnection:
     """The server's end: `send` → the actor's `submit`; `recv` → its `receive`, one message at a time."""
 
@@ -170,7 +163,7 @@ class RayEngineHandle:
         import ray
 
         connect_ray()
-        env = {k: v for k, v in engine_environment({}).items()}
+        env = engine_environment({})
         actor = _actor_class().options(runtime_env={"env_vars": env}, **actor_options).remote(args)
         conn = _ActorConnection(actor)
         try:

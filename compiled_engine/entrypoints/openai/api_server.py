@@ -29,7 +29,7 @@ from compiled_engine.engine.data_parallel import DataParallelAsyncLLM, replica_a
 from compiled_engine.engine_args import DEFAULT_MAX_REQUEST_BYTES, ServerArgs
 from compiled_engine.entrypoints.openai.errors import OpenAIError, bad_request, error_response
 from compiled_engine.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from compiled_engine.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from compiled_engine.entrypoints.openai.middleware import add_request_guards
 from compiled_engine.entrypoints.openai.prompt_tokenizer import PromptTokenizer
 from compiled_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from compiled_engine.entrypoints.openai.served_models import ServedModels
@@ -67,10 +67,7 @@ def build_app(
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="compiled-engine", lifespan=lifespan)
-    # The last middleware added runs first: the key is checked before any body is read.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    add_request_guards(app, max_request_bytes, api_key)
     add_error_handlers(app)
 
     @app.get("/health")

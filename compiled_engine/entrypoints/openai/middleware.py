@@ -79,3 +79,11 @@ async def _drain(receive, limit: int) -> None:
         read += len(message.get("body", b""))
         if not message.get("more_body", False):
             return
+
+
+def add_request_guards(app, max_request_bytes: int, api_key: str | None) -> None:
+    """Both guards on `app` (a FastAPI app), in the order they must run: the last middleware
+    added runs first, so the key is checked before any body is read."""
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from compiled_engine.engine_args import DEFAULT_MAX_REQUEST_BYTES
 from compiled_engine.entrypoints.openai.errors import bad_request
-from compiled_engine.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from compiled_engine.entrypoints.openai.middleware import add_request_guards
 from compiled_engine.entrypoints.openai.protocol import ModelCard, OpenAIModel
 from compiled_engine.entrypoints.openai.served_models import ServedModels
 from compiled_engine.pooling.outputs import EmbeddingRequestOutput
@@ -187,9 +187,7 @@ def build_embedding_app(
         await asyncio.to_thread(batcher.shutdown)
 
     app = FastAPI(title="compiled-engine (embeddings)", lifespan=lifespan)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    add_request_guards(app, max_request_bytes, api_key)
     add_error_handlers(app)
 
     @app.get("/health")
