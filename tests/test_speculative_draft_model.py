@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -20,15 +19,12 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.engine.draft_model import DraftModelError
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.speculative_config import SpeculativeConfig, parse_speculative_config
-from compiled_engine.worker import spec_verifier
 from tests.model_factory import make_tiny_model
 from tests.test_prefix_caching_engine import ENGINE_OPTIONS, _run
-from tests.test_speculative_decoding import chi_square_p_value
 from tests.test_speculative_engine import (
-    NUM_SAMPLES,
-    TINY_PROMPT,
-    TINY_VOCAB,
     _workload,
+    assert_follows_target_distribution,
+    use_acceptance_rule,
 )
 from tests.test_speculative_engine import baseline as baseline  # noqa: F401 - the fixtures, shared
 from tests.test_speculative_engine import plain_engine as plain_engine  # noqa: F401
@@ -240,10 +236,7 @@ def test_temperature_one_outputs_follow_the_target_distribution(
 ):
     """Chi-square of the 2nd and 3rd tokens of 4,000 seeded requests against transformers' exact
     distributions, with the draft proposing. A deliberately wrong acceptance rule fails."""
-    wrong = {"residual_keeps_proposal": ("residual_probs", lambda probs, proposed: probs)}
-    wrong["always_accept"] = ("acceptance_probability", lambda probs, proposed: torch.ones(len(proposed)))
-    if rule in wrong:
-        monkeypatch.setattr(spec_verifier, *wrong[rule])
+    use_acceptance_rule(monkeypatch, rule)
     llm = LLM(
         tiny_vocab_model,
         dtype="float32",
@@ -252,16 +245,4 @@ def test_temperature_one_outputs_follow_the_target_distribution(
         max_num_seqs=64,
         speculative_config=draft(tiny_vocab_draft, 2, disable_by_batch_size=4096),
     )
-    params = [
-        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(NUM_SAMPLES)
-    ]
-    outputs = llm.generate([{"prompt_token_ids": TINY_PROMPT}] * NUM_SAMPLES, params, use_tqdm=False)
-    tokens = np.array([o.outputs[0].token_ids for o in outputs])
-    assert llm.stats().num_spec_steps >= NUM_SAMPLES  # every request verified a proposal
-    second, third = tiny_vocab_targets
-    p_second = chi_square_p_value(np.bincount(tokens[:, 1], minlength=TINY_VOCAB), second)
-    p_third = chi_square_p_value(np.bincount(tokens[:, 2], minlength=TINY_VOCAB), third)
-    if rule == "correct":
-        assert p_second > 1e-3 and p_third > 1e-3, (p_second, p_third)
-    else:
-        assert min(p_second, p_third) < 1e-6, (p_second, p_third)
+    assert_follows_target_distribution(llm, rule, tiny_vocab_targets)

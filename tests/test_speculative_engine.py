@@ -334,10 +334,7 @@ def test_temperature_one_outputs_follow_the_target_distribution(
     """Chi-square of the 2nd and 3rd tokens of 4,000 seeded requests against transformers' exact
     distributions. The engine's rule passes; a deliberately wrong one (swapped into the verifier)
     fails, so the test can tell."""
-    wrong = {"residual_keeps_proposal": ("residual_probs", lambda probs, proposed: probs)}
-    wrong["always_accept"] = ("acceptance_probability", lambda probs, proposed: torch.ones(len(proposed)))
-    if rule in wrong:
-        monkeypatch.setattr(spec_verifier, *wrong[rule])
+    use_acceptance_rule(monkeypatch, rule)
     llm = LLM(
         tiny_vocab_model,
         dtype="float32",
@@ -345,13 +342,28 @@ def test_temperature_one_outputs_follow_the_target_distribution(
         max_model_len=64,
         speculative_config=ngram(2, disable_by_batch_size=4096),
     )
+    assert_follows_target_distribution(llm, rule, tiny_vocab_targets)
+
+
+def use_acceptance_rule(monkeypatch, rule: str) -> None:
+    """Swap a deliberately wrong acceptance rule into the verifier ("correct" keeps the engine's)."""
+    wrong = {"residual_keeps_proposal": ("residual_probs", lambda probs, proposed: probs)}
+    wrong["always_accept"] = ("acceptance_probability", lambda probs, proposed: torch.ones(len(proposed)))
+    if rule in wrong:
+        monkeypatch.setattr(spec_verifier, *wrong[rule])
+
+
+def assert_follows_target_distribution(llm: LLM, rule: str, targets) -> None:
+    """NUM_SAMPLES seeded requests at temperature 1.0; the chi-square of their 2nd and 3rd tokens
+    against `targets` (transformers' exact distributions) passes for the correct rule and fails
+    for a wrong one."""
     params = [
         SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(NUM_SAMPLES)
     ]
     outputs = llm.generate([{"prompt_token_ids": TINY_PROMPT}] * NUM_SAMPLES, params, use_tqdm=False)
     tokens = np.array([o.outputs[0].token_ids for o in outputs])
     assert llm.stats().num_spec_steps >= NUM_SAMPLES  # every request verified a proposal
-    second, third = tiny_vocab_targets
+    second, third = targets
     p_second = chi_square_p_value(np.bincount(tokens[:, 1], minlength=TINY_VOCAB), second)
     p_third = chi_square_p_value(np.bincount(tokens[:, 2], minlength=TINY_VOCAB), third)
     if rule == "correct":
