@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -118,6 +119,25 @@ def build(directory: Path | None = None, source_file: Path = SOURCE) -> Path:
 
 
 _loaded: ctypes.CDLL | None = None
+_other_libraries: dict[Path, ctypes.CDLL] = {}
+
+
+def load_library(
+    source_file: Path, declare: Callable[[ctypes.CDLL], None], directory: Path | None = None
+) -> ctypes.CDLL:
+    """Another of kernels/'s C++ sources (the GEMVs), built if needed and loaded once per process,
+    with `declare` setting its functions' argument and result types."""
+    with _LOCK:
+        library = _other_libraries.get(source_file)
+        if library is None:
+            path = build(directory, source_file)
+            try:
+                library = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
+            declare(library)
+            _other_libraries[source_file] = library
+        return library
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 import weakref
 from collections.abc import Callable, Container
 from functools import cache
@@ -71,28 +70,18 @@ def best_isa() -> int:
     return isa_for_flags(_cpu_flags())
 
 
-_LOCK = threading.Lock()
-_loaded: ctypes.CDLL | None = None
+def _declare(library: ctypes.CDLL) -> None:
+    function = library.ce_cpu_gemv
+    function.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    function.restype = ctypes.c_int
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:
     """The loaded library (built first if needed); the same handle for the whole process."""
-    global _loaded
-    with _LOCK:
-        if _loaded is None:
-            path = cpu_attention_build.build(directory, SOURCE)
-            try:
-                library = ctypes.CDLL(str(path))
-            except OSError as exc:
-                raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
-            function = library.ce_cpu_gemv
-            function.argtypes = [
-                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ]  # fmt: skip
-            function.restype = ctypes.c_int
-            _loaded = library
-        return _loaded
+    return cpu_attention_build.load_library(SOURCE, _declare, directory)
 
 
 def kernel_available(

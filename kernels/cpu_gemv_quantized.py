@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 import weakref
 from functools import cache
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.kernels import cpu_attention_build
-from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 from compiled_engine.kernels.cpu_gemv import (
     BLOCK,
     ISA_AVX512,
@@ -44,30 +42,21 @@ CPU_GEMV_QUANTIZED_VERSION = files_version(
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_LOCK = threading.Lock()
-_loaded: ctypes.CDLL | None = None
-
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.ce_cpu_gemv_int8.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT]
+    library.ce_cpu_gemv_int8.restype = _INT
+    library.ce_cpu_gemv_int4.argtypes = [
+        _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT,
+    ]  # fmt: skip
+    library.ce_cpu_gemv_int4.restype = _INT
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:
     """The loaded library (built first if needed); the same handle for the whole process."""
-    global _loaded
-    with _LOCK:
-        if _loaded is None:
-            path = cpu_attention_build.build(directory, SOURCE)
-            try:
-                library = ctypes.CDLL(str(path))
-            except OSError as exc:
-                raise CpuKernelBuildError(f"cannot load {path}: {exc}") from exc
-            library.ce_cpu_gemv_int8.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT]
-            library.ce_cpu_gemv_int8.restype = _INT
-            library.ce_cpu_gemv_int4.argtypes = [
-                _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT,
-            ]  # fmt: skip
-            library.ce_cpu_gemv_int4.restype = _INT
-            _loaded = library
-        return _loaded
+    return cpu_attention_build.load_library(SOURCE, _declare, directory)
 
 
 def cpu_gemv_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
