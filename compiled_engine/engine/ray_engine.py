@@ -182,7 +182,8 @@ class RayEngineHandle:
         return f"the engine's Ray actor (pid {self.pid}, node {self.node_id[:12]}) died"
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Wait for the loop to say it closed (it was told to shut down), then end the actor."""
+        """End the actor. ProcessAsyncLLM.shutdown calls it after its reader saw the loop close (or
+        gave up waiting), so nothing is left to wait for here; `timeout_s` is EngineProcess's."""
         import ray
 
         try:
