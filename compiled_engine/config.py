@@ -40,6 +40,8 @@ class EngineConfig:
     enable_prefix_caching: bool
     long_prefill_token_threshold: int  # 0: a prefill takes up to the step budget
     tensor_parallel_size: int
+    # CPU cores left to other work (worker/cpu_cores.py): the background compiler is pinned there.
+    cpu_reserved_cores: int = 0
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
     # Weight-only quantization of the linears (records/weight_quantization.py); None: the model dtype.
     quantization: WeightQuantization | None = None

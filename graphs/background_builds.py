@@ -65,6 +65,8 @@ class CompilerProcess:
 
     module: str
     job: Any
+    niceness: int  # its CPU priority, set as it is spawned, before its interpreter imports anything
+    cores: tuple[int, ...] = ()  # pinned to these cores; () = wherever the OS puts it
 
 
 # What the compiler process sends, one tuple per message.
@@ -83,6 +85,22 @@ def failed_message(bucket: Bucket, reason: str) -> tuple[str, Bucket, str]:
 def abort_message(reason: str) -> tuple[str, None, str]:
     """The compiler cannot go on (its model or cache entry differs): every bucket left fails."""
     return ("abort", None, reason)
+
+
+def deprioritize(pid: int, niceness: int, cores: tuple[int, ...] = ()) -> None:
+    """Lower process `pid` to `niceness` and, when `cores` is given, pin it there. Called on the
+    compiler just after it was spawned, while its interpreter is still starting, so its imports
+    run there too (seconds of CPU a step would otherwise share a core with); the threads and
+    processes it makes later (Inductor's compile workers) inherit both."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, niceness)
+    except OSError:  # not allowed, or it already exited: it runs at normal priority
+        pass
+    if cores:
+        try:
+            os.sched_setaffinity(pid, cores)
+        except OSError:  # a core went away, or it already exited: it runs anywhere
+            pass
 
 
 class BackgroundBuilds:
@@ -112,6 +130,7 @@ class BackgroundBuilds:
             pass_fds=(write_fd,),
         )
         os.close(write_fd)  # the child holds the only writing end: its exit closes the pipe
+        deprioritize(self.process.pid, compiler.niceness, compiler.cores)
         receiver = Connection(read_fd, writable=False)
         assert self.process.stdin is not None
         try:

@@ -28,6 +28,7 @@ from compiled_engine.engine_args import EngineArgs
 from compiled_engine.entrypoints.openai.api_server import build_app
 from compiled_engine.graphs.background_builds import COMPILED, FAILED, LOADING
 from compiled_engine.graphs.inductor_warmup import InductorProbes
+from compiled_engine.worker.cpu_cores import split_cores
 from tests.test_server import ServerThread, _get, _metrics
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -252,9 +253,17 @@ def llm_background(engine: AsyncLLM):
 
 
 def test_dropping_the_engine_stops_its_compiler_and_frees_the_model(tmp_path, built_cache, llama_dir):
-    llm = _background(llama_dir, _copy_without(built_cache, tmp_path, "bucket-4"))
+    threads = torch.get_num_threads()
+    try:
+        llm = _background(llama_dir, _copy_without(built_cache, tmp_path, "bucket-4"), cpu_reserved_cores=1)
+    finally:
+        torch.set_num_threads(threads)  # the engine sized this thread's count to its step cores
     step = weakref.ref(llm.engine.model_runner.step_graph)
     process = llm.engine.model_runner.step_graph.background.process
+    # The compiler runs niced from its start, and on the reserved core, off the step threads'.
+    assert os.getpriority(os.PRIO_PROCESS, process.pid) == 19
+    reserved = split_cores(1).other
+    assert os.sched_getaffinity(process.pid) == set(reserved or os.sched_getaffinity(0))
     del llm
     gc.collect()
     assert step() is None  # the background threads hold no reference to the step or its model

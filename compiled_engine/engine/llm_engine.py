@@ -40,6 +40,7 @@ from compiled_engine.records.runner import Runner, RunnerTimeline
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.structured_output.compiler import GrammarCompilerPool
 from compiled_engine.worker import kv_cache
+from compiled_engine.worker.cpu_cores import split_cores
 from compiled_engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,7 @@ class LLMEngine:
         if device.type == "cpu" and args.cpu_reserved_cores and args.tensor_parallel_size == 1:
             # Steps use the cores left; the rest stay free for the API server and its clients,
             # which would otherwise preempt a step thread that every op then waits for.
-            cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, cores - args.cpu_reserved_cores))
+            torch.set_num_threads(len(split_cores(args.cpu_reserved_cores).step))
         self.tensor_parallel: TensorParallelRuntime | None = None
         if args.tensor_parallel_size > 1:
             device = self._join_tensor_parallel(args, device, _tensor_parallel_rank)

@@ -7,8 +7,10 @@ engine reads, then compiles each bucket it was given, in order, into that entry,
 each one on its pipe (graphs/background_builds.py reads the reports and hands the graphs to
 the serving process through the cache).
 
-It runs at the lowest CPU priority, so on a busy machine the OS schedules serving first: the
+It runs at the lowest CPU priority from its first instruction (the engine lowers it as it spawns
+it, graphs/background_builds.py), so on a busy machine the OS schedules serving first: the
 compiler takes what serving leaves (docs/performance.md measures what it costs the foreground).
+With cores reserved (`cpu_reserved_cores`), it is pinned to those, off the step threads' cores.
 It holds a second copy of the weights while it runs, and exits when every bucket is built.
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import sys
 import time
@@ -53,10 +54,6 @@ class CompileJob:
 def compile_missing_buckets(job: CompileJob, buckets: list[Bucket], entry_dir: str, conn: Connection) -> None:
     """The compiler process's main: compile `buckets` in order into the compile-cache entry
     `entry_dir` (the engine's), reporting each on `conn`."""
-    try:
-        os.nice(COMPILER_NICENESS)
-    except OSError:  # not allowed here: compile at normal priority
-        pass
     logging.basicConfig(level=logging.WARNING)
     try:
         step = _build_step_graph(job)

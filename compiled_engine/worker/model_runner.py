@@ -29,6 +29,7 @@ from compiled_engine.records.runner_output import ModelRunnerOutput, PromptLogpr
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.structured_output.logits_mask import GrammarMasks
+from compiled_engine.worker.cpu_cores import split_cores
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.persistent_batch import PersistentBatch
@@ -162,13 +163,17 @@ class ModelRunner:
         "background" policy; it rebuilds this runner's step graph in its own process."""
         if config.enforce_eager or config.compile_policy != "background" or cache is None:
             return None
-        from compiled_engine.worker.graph_compiler_process import CompileJob
+        from compiled_engine.worker.graph_compiler_process import COMPILER_NICENESS, CompileJob
 
         job = CompileJob(
             config=dataclasses.replace(config, cache_dir=str(cache.root)),
             kv_cache_shapes=tuple(tuple(c.shape) for c in kv_caches),
         )
-        return CompilerProcess("compiled_engine.worker.graph_compiler_process", job)
+        # Off the step threads' cores where some are reserved (worker/cpu_cores.py).
+        cores = split_cores(config.cpu_reserved_cores).other if config.device.type == "cpu" else ()
+        return CompilerProcess(
+            "compiled_engine.worker.graph_compiler_process", job, niceness=COMPILER_NICENESS, cores=cores
+        )
 
     def add_request(
         self,
