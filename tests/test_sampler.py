@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.sampler import Sampler, SamplingTensors
+from compiled_engine.worker import sampler as sampler_module
+from compiled_engine.worker.sampler import Sampler, SamplingTensors, categorical_draw
 
 CPU = torch.device("cpu")
 
@@ -209,3 +210,23 @@ def test_bad_inputs_raise_clear_errors():
         Sampler()(torch.zeros(2, 3, 10), tensors)
     with pytest.raises(ValueError, match="cannot draw noise"):
         SamplingTensors.build([SamplingParams(seed=1)], [seeded(1)], torch.device("meta"))
+
+
+def test_categorical_draw_takes_unnormalised_weights_and_never_a_zero_one():
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
+    params = [SamplingParams(temperature=1.0)] * 2
+    tensors = SamplingTensors.build(params, [None, None], CPU, default_generator=seeded(3))
+    drawn = torch.stack([categorical_draw(weights, tensors) for _ in range(2000)])
+    assert set(drawn[:, 0].tolist()) == {1, 3} and set(drawn[:, 1].tolist()) == {4}
+    share = (drawn[:, 0] == 1).double().mean().item()
+    assert abs(share - 0.75) < 0.04  # 3 : 1; sd of the share over 2,000 draws is ~0.01
+
+
+def test_categorical_draw_at_the_top_of_the_interval_takes_a_likely_token(monkeypatch):
+    # u * total can round up to the total, which no cumulative entry exceeds: not the last token
+    # (weight 0 here), but the likeliest.
+    monkeypatch.setattr(sampler_module, "uniform_noise", lambda n, device, params: torch.ones(n))
+    weights = torch.tensor([[0.2, 0.7, 0.1, 0.0]])
+    params = [SamplingParams(temperature=1.0)]
+    tensors = SamplingTensors.build(params, [None], CPU, default_generator=seeded(0))
+    assert categorical_draw(weights, tensors).tolist() == [1]

@@ -8,10 +8,13 @@ Order (vLLM's; docs/sampling.md):
      ones multiplied), then frequency (x count) and presence (x seen) over output tokens;
   4. greedy rows take the argmax of these logits;
   5. temperature, then min_p (drop tokens less likely than min_p x the best), top-k, top-p;
-  6. a draw by the exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. picks token i
-     with probability probs[i]. Drawing E apart from the logits maths lets a seeded request take
-     its noise from its own generator — so its tokens depend only on its seed and its logits,
-     never on which other requests share the batch — while the maths stays one vectorised pass.
+  6. a draw by inverting each row's cumulative distribution at one uniform number: token i
+     when cdf[i-1] <= u * total < cdf[i], which happens with probability probs[i]. One draw per
+     row (not one per vocabulary entry, as the exponential race argmax(probs / E) needs: torch's
+     CPU generators make ~10x more work of a 256 x vocab Exp(1) draw than the cumsum here) lets
+     a seeded request take its number from its own generator — so its tokens depend only on its
+     seed and its logits, never on which other requests share the batch — while the maths
+     stays one vectorised pass.
 Every step is vectorised over the batch; steps 1–3 and min_p run only when some row uses them
 (host-side flags, or None fields), so a plain batch pays nothing for them. Nothing is modified in
 place: the caller's logits stay the raw ones, which is what logprobs are computed from.
@@ -304,8 +307,7 @@ class Sampler:
         if params.all_greedy:
             return greedy_tokens
         probs = target_probs(logits, params)
-        noise = exponential_noise(probs.shape, probs.device, params)
-        sampled_tokens = (probs / noise).argmax(dim=-1)
+        sampled_tokens = categorical_draw(probs, params)
         return torch.where(params.greedy, greedy_tokens, sampled_tokens)
 
 
@@ -394,14 +396,16 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params: SamplingTensors) -> torch.T
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
-def exponential_noise(shape: torch.Size, device: torch.device, params: SamplingTensors) -> torch.Tensor:
-    """Exp(1) noise per row: from the row's own generator where it has one, else one shared draw."""
-    noise = torch.empty(shape, device=device).exponential_(generator=params.default_generator)
-    for row, gen in enumerate(params.generators):
-        if gen is not None:
-            noise[row] = torch.empty(shape[-1], device=device).exponential_(generator=gen)
-    # An exact 0 would turn a masked token's 0 probability into 0/0 = NaN, which argmax picks.
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+def categorical_draw(weights: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Per row of `weights` [rows, vocab] (>= 0, not necessarily summing to 1), token i with
+    probability weights[i] / sum, from one uniform number per row (`uniform_noise`)."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = uniform_noise(len(weights), weights.device, params)[:, None] * total
+    # The first entry whose cdf exceeds the target: its weight is > 0, as the cdf rose there.
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u * total can round up to total itself: no entry exceeds it, so take the likeliest.
+    return torch.where(tokens < weights.shape[-1], tokens, weights.argmax(dim=-1))
 
 
 def uniform_noise(num_rows: int, device: torch.device, params: SamplingTensors) -> torch.Tensor:

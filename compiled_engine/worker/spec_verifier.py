@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from compiled_engine.worker.sampler import SamplingTensors, exponential_noise, target_probs, uniform_noise
+from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, target_probs, uniform_noise
 
 
 def acceptance_probability(probs: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
@@ -34,8 +34,8 @@ def acceptance_probability(probs: torch.Tensor, proposed: torch.Tensor) -> torch
 
 
 def residual_probs(probs: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
-    """What a rejected row draws from: the target without the proposed token (unnormalised: the
-    exponential race below does not need the sum to be 1)."""
+    """What a rejected row draws from: the target without the proposed token (unnormalised:
+    `categorical_draw` does not need the sum to be 1)."""
     return probs.scatter(1, proposed[:, None], 0.0)
 
 
@@ -54,7 +54,7 @@ def verify_proposals(
     probs = target_probs(logits.float(), params)
     accepted = uniform_noise(len(proposed), probs.device, params) < acceptance_probability(probs, proposed)
     residual = residual_probs(probs, proposed)
-    recovered = (residual / exponential_noise(residual.shape, residual.device, params)).argmax(dim=-1)
+    recovered = categorical_draw(residual, params)
     return (
         torch.where(params.greedy, greedy_accepted, accepted),
         torch.where(params.greedy, greedy_tokens, recovered),

@@ -1,0 +1,47 @@
+"""The sampler's draw at a serving batch: one uniform number per row through the cumulative
+distribution (ours, worker/sampler.py) vs the exponential race, argmax(probs / E) with one
+E ~ Exp(1) per vocabulary entry (vLLM's draw, and ours before), on the same probabilities.
+
+    python -m pytest bench/test_sampling.py -q --benchmark-columns=median,min,rounds
+
+Both draw from the same distribution (tests/test_sampler.py checks ours with a chi-square); this
+times the draw alone, after `target_probs`, at 256 rows and the embedded model's (4,096) and
+Qwen2.5's (151,936) vocabulary sizes, on this process's torch threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, target_probs
+
+ROWS = {"full": 256, "quick": 256, "smoke": 4}
+VOCABS = (4096, 151_936)
+ROUNDS = {4096: 20, 151_936: 5}  # the race over 151,936 entries takes seconds a round
+
+
+def exponential_race(probs: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_(generator=params.default_generator)
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("draw", ["cumulative", "exponential-race"])
+def test_sampling_draw(benchmark, request, draw, vocab):
+    rows = ROWS[request.config._bench_sizes.profile]
+    params = SamplingTensors.build(
+        [SamplingParams(temperature=0.8)] * rows,
+        [None] * rows,
+        torch.device("cpu"),
+        default_generator=torch.Generator().manual_seed(0),
+    )
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1))
+    probs = target_probs(logits, params)
+    fn = categorical_draw if draw == "cumulative" else exponential_race
+    benchmark.group = f"sampling draw, {rows} rows x vocab {vocab}"
+    rounds = ROUNDS[vocab]
+    tokens = benchmark.pedantic(lambda: fn(probs, params), rounds=rounds, iterations=1, warmup_rounds=1)
+    assert tokens.shape == (rows,) and bool((probs.gather(1, tokens[:, None]) > 0).all())
+    benchmark.extra_info.update(draw=draw, rows=rows, vocab=vocab, threads=torch.get_num_threads())
