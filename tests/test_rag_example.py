@@ -12,6 +12,14 @@ vector, cosine 1); the answer is what the chat server generates for the prompt t
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
 import openai
 import pytest
 import torch
@@ -24,7 +32,7 @@ from compiled_engine.entrypoints.openai.serving_embeddings import build_embeddin
 from compiled_engine.pooling.pooling_engine import PoolingEngine
 from examples.rag.common import DOCS_DIR
 from tests.test_embeddings import assert_parity, reference
-from tests.test_server import ServerThread
+from tests.test_server import ServerThread, _free_port, _get
 
 API_KEY = "rag-key"
 EMBED_MODEL, CHAT_MODEL = "tiny-embed", "chat"
@@ -58,7 +66,7 @@ def _regenerate(chat_client: openai.OpenAI, messages: list[dict[str, str]]) -> s
         model=CHAT_MODEL,
         messages=messages,
         temperature=0,
-        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
     )
     assert response.usage is not None and response.usage.completion_tokens > 0
     return response.choices[0].message.content or ""
@@ -143,3 +151,65 @@ def test_llamaindex_rag(servers, chat_client, st_qwen3_folder):
     raw = event.response.message.content or ""
     assert raw == _regenerate(chat_client, messages)
     assert result.answer and result.answer == raw
+
+
+# -- the commands docs/rag.md gives ------------------------------------------------------------------
+
+ROOT = Path(__file__).parent.parent
+
+
+@contextmanager
+def _cli_server(args: list[str], log_path: Path):
+    """`compiled-engine serve ARGS` in a subprocess on a free port; yields its /v1 URL."""
+    port = _free_port()
+    command = [sys.executable, "-m", "compiled_engine.entrypoints.cli", "serve", *args, "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if _get(f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_the_documented_commands(st_qwen3_folder, tmp_path):
+    """Both servers started with `compiled-engine serve`, both examples run with `python -m`."""
+    question = (DOCS_DIR / "tides.txt").read_text(encoding="utf-8").strip()
+    names = {p.name for p in DOCS_DIR.glob("*.txt")}
+    with ExitStack() as stack:
+        common = ["--enforce-eager", "--api-key", API_KEY]
+        embed_url = stack.enter_context(
+            _cli_server(["--model", str(st_qwen3_folder), *common], tmp_path / "embed.log")
+        )
+        chat_url = stack.enter_context(_cli_server(common, tmp_path / "chat.log"))
+        for module in ("examples.rag.langchain_rag", "examples.rag.llamaindex_rag"):
+            run = subprocess.run(
+                [sys.executable, "-m", module, "--embed-url", embed_url, "--chat-url", chat_url,
+                 "--api-key", API_KEY, "--max-tokens", "8", question],
+                cwd=ROOT, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert run.returncode == 0, run.stderr
+            lines = run.stdout.splitlines()
+            assert lines[0] == f"question: {question}"
+            retrieved = lines[1].removeprefix("retrieved: ").split(", ")
+            assert len(retrieved) == 2 and set(retrieved) <= names, lines[1]
+            assert lines[2].startswith("answer: ")
+            if module.endswith("langchain_rag"):  # it embeds the text alone: the same text is the top hit
+                assert retrieved[0] == "tides.txt"
+    assert "POST /v1/embeddings" in (tmp_path / "embed.log").read_text()
+    assert "POST /v1/chat/completions" in (tmp_path / "chat.log").read_text()
