@@ -153,6 +153,18 @@ def test_llamaindex_rag(servers, chat_client, st_qwen3_folder):
     assert result.answer and result.answer == raw
 
 
+def test_a_docs_folder_without_text_files_is_a_usage_error(tmp_path, capsys):
+    from examples.rag import langchain_rag, llamaindex_rag
+
+    (tmp_path / "notes.md").write_text("not a .txt file")
+    for main in (langchain_rag.main, llamaindex_rag.main):
+        for folder in (tmp_path, tmp_path / "missing"):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["--docs", str(folder)])  # refused before any server is asked
+            assert exit_info.value.code == 2
+            assert f"--docs {folder}: no .txt files there" in capsys.readouterr().err
+
+
 # -- the commands docs/rag.md gives ------------------------------------------------------------------
 
 ROOT = Path(__file__).parent.parent

@@ -47,7 +47,15 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--top-k", type=int, default=2, help="documents given to the chat model")
     parser.add_argument("--max-tokens", type=int, default=64, help="the answer's length limit")
     parser.add_argument("question", nargs="?", default=DEFAULT_QUESTION)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not text_files(args.docs):
+        parser.error(f"--docs {args.docs}: no .txt files there")
+    return args
+
+
+def text_files(folder: Path) -> list[Path]:
+    """The documents: the folder's .txt files, in name order (none if it is not a folder)."""
+    return sorted(folder.glob("*.txt")) if folder.is_dir() else []
 
 
 def print_answer(result: RagAnswer) -> None:

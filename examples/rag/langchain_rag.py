@@ -16,7 +16,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
-from examples.rag.common import RagAnswer, parse_args, print_answer, served_model
+from examples.rag.common import RagAnswer, parse_args, print_answer, served_model, text_files
 
 PROMPT = ChatPromptTemplate.from_messages(
     [
@@ -34,7 +34,7 @@ def load_documents(folder: Path) -> list[Document]:
             page_content=path.read_text(encoding="utf-8").strip(),
             metadata={"source": path.name},
         )
-        for path in sorted(folder.glob("*.txt"))
+        for path in text_files(folder)
     ]
 
 
