@@ -1,0 +1,1 @@
+"""Runnable examples of compiled-engine in applications (run from the repository root with `python -m`)."""

@@ -1,0 +1,1 @@
+"""Retrieval-augmented generation against two compiled-engine servers: docs/rag.md."""
