@@ -477,6 +477,26 @@ CE_AMX void column_tile_rows(const Problem& p, bool int4, const uint16_t* x_tile
   if (row_tiles > 3) _tile_stored(3, sums + 48 * kBlock + 16 * j, kBlock * 4);
 }
 
+// finish_block for bf16 outputs, 16 outputs a vector (the tile path's outputs are bf16).
+CE_AMX void finish_block_bf16(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc,
+                              bool scaled) {
+  const int64_t first = block * kBlock;
+  const int64_t count = std::min(kBlock, p.out_features - first);
+  for (int r = 0; r < nrows; ++r) {
+    uint16_t* out_row = static_cast<uint16_t*>(p.out) + (row0 + r) * p.out_features + first;
+    for (int64_t f = 0; f < count; f += 16) {
+      const __mmask16 mask = count - f >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - f)) - 1);
+      __m512 v = _mm512_loadu_ps(acc + r * kBlock + f);
+      if (scaled) v = _mm512_mul_ps(v, _mm512_loadu_ps(p.scales + first + f));
+      if (p.bias != nullptr) {
+        const __m256i b = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.bias) + first + f);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+      _mm256_mask_storeu_epi16(out_row + f, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  }
+}
+
 // One tile step: C0..C3 += A (16 rows x 32 features at `x`) x the step's 4 B tiles at `b`.
 CE_AMX inline void tile_step(const uint16_t* x, int64_t x_stride_bytes, const uint16_t* b) {
   _tile_loadd(4, x, x_stride_bytes);
@@ -510,7 +530,7 @@ CE_AMX void tile_block(const Problem& p, bool int4, const uint16_t* x_tiles, int
     _tile_stored(1, sums + 16, kBlock * 4);
     _tile_stored(2, sums + 32, kBlock * 4);
     _tile_stored(3, sums + 48, kBlock * 4);
-    finish_block(p, block, 0, static_cast<int>(p.rows), sums, !int4);
+    finish_block_bf16(p, block, 0, static_cast<int>(p.rows), sums, !int4);
     return;
   }
   for (int64_t row0 = 0; row0 < p.rows; row0 += 4 * kTileRows) {
@@ -518,7 +538,7 @@ CE_AMX void tile_block(const Problem& p, bool int4, const uint16_t* x_tiles, int
     const int row_tiles = static_cast<int>((rows + kTileRows - 1) / kTileRows);
     for (int j = 0; j < 4; ++j) column_tile_rows(p, int4, x_tiles, k_pad, block, j, row0, row_tiles, sums, tiles);
     for (int64_t r = 0; r < rows; r += kTileRows)
-      finish_block(p, block, row0 + r, static_cast<int>(std::min(kTileRows, rows - r)), sums + r * kBlock, !int4);
+      finish_block_bf16(p, block, row0 + r, static_cast<int>(std::min(kTileRows, rows - r)), sums + r * kBlock, !int4);
   }
 }
 
