@@ -277,6 +277,10 @@ class GemvDecision:
     # GEMV's int8/int4 variants beat torch's kernels, and (rows, torch's fastest ms, the GEMV's).
     quantized_kernel_rows: tuple[int, ...] = ()
     quantized_timings: tuple[tuple[int, float, float], ...] = ()
+    # ... and where the kernel's tile path (many rows, AMX) beat both, with (rows, torch's fastest
+    # ms, the tiles') for the row counts timed (larger ones follow two wins in a row untimed).
+    quantized_tile_rows: tuple[int, ...] = ()
+    quantized_tile_timings: tuple[tuple[int, float, float], ...] = ()
     version: str = field(default=GEMV_POLICY_VERSION)
 
     def lowers(self, rows: int) -> bool:
@@ -290,6 +294,10 @@ class GemvDecision:
     def runs_quantized_kernel(self, rows: int) -> bool:
         """Whether a graph run at exactly `rows` rows should run its quantized linears on the C++ GEMV."""
         return rows in self.quantized_kernel_rows
+
+    def runs_quantized_tiles(self, rows: int) -> bool:
+        """Whether a graph run at exactly `rows` rows should run its quantized linears on the tile path."""
+        return rows in self.quantized_tile_rows
 
     def packs(self, rows: int | None) -> bool:
         """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should pack."""
@@ -338,6 +346,10 @@ class GemvDecision:
                 quantized_kernel_rows=tuple(int(r) for r in data["quantized_kernel_rows"]),
                 quantized_timings=tuple(
                     (int(r), float(a), float(b)) for r, a, b in data["quantized_timings"]
+                ),
+                quantized_tile_rows=tuple(int(r) for r in data["quantized_tile_rows"]),
+                quantized_tile_timings=tuple(
+                    (int(r), float(a), float(b)) for r, a, b in data["quantized_tile_timings"]
                 ),
                 unmeasured_rows=tuple(int(r) for r in data["unmeasured_rows"]),
                 reason=str(data["reason"]),

@@ -41,7 +41,7 @@ from compiled_engine.graphs.pass_manager import (
 )
 from compiled_engine.graphs.passes.check_lowering import CheckLowering
 from compiled_engine.graphs.passes.cpu_gemv import CpuGemvLinears
-from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemvQuantized
+from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemmQuantized, CpuGemvQuantized
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
 from compiled_engine.graphs.passes.freeze_parameters import FreezeParameters
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache, FuseLinears
@@ -79,6 +79,11 @@ def runs_quantized_gemv_kernel(target: BucketTarget) -> bool:
     return target.bucket is not None and target.linears.runs_quantized_kernel(target.bucket)
 
 
+def runs_quantized_tiles(target: BucketTarget) -> bool:
+    """The policy measured the kernel's int8/int4 tile path fastest at this bucket (many rows)."""
+    return target.bucket is not None and target.linears.runs_quantized_tiles(target.bucket)
+
+
 def inlines_attention(target: BucketTarget) -> bool:
     """On CPU with the torch op, decode-sized buckets get the attention as fusable maths."""
     return target.attention_backend == "torch" and target.device_kind == "cpu" and target.decode_sized
@@ -102,6 +107,7 @@ BUCKET_PASSES = (
     per_bucket(CpuGemvLinears, runs_gemv_kernel),
     per_bucket(PackLinearWeights, packs_linears),
     per_bucket(CpuGemvQuantized, runs_quantized_gemv_kernel),
+    per_bucket(CpuGemmQuantized, runs_quantized_tiles),
     per_bucket(InlineAttention, inlines_attention),
 )
 

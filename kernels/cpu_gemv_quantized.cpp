@@ -28,6 +28,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #endif
 
@@ -328,6 +330,243 @@ CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
 }
 #endif
 
+
+// ---- the tile path: many rows through AMX -------------------------------------------------------
+//
+// Past a few rows the GEMV's per-row work (widen the integers, multiply-add per row) is the cost,
+// not the bytes: at 16 rows it ran 3-4x slower than oneDNN's bf16 GEMM. This path dequantizes a
+// 64-output block to bf16 once (into a per-thread buffer that stays in L2) and multiplies every
+// row by it on AMX (TDPBF16PS: 16 rows x 32 input features x 16 outputs an instruction), so the
+// integers are read once per call whatever the row count. Activations must be bf16 (they go into
+// the tiles as they are). int8 weights go in as their integers (exact in bf16) with the scale
+// applied to the float32 sums; int4 weights as q * scale + offset rounded to bf16 (the rounding
+// bf16 weights carry). Tile buffer layout: [K_pad / 32][4 tiles of 16 outputs][16 pairs][16][2].
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define CE_AMX_AVAILABLE 1
+#define CE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,f16c,fma")))
+
+constexpr int64_t kTileK = 32;     // bf16 input features per tile step
+constexpr int64_t kTileRows = 16;  // rows per A tile
+constexpr int64_t kPrefetchRows = 64;  // packed weight rows (64 bytes each) read ahead of use
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the AMX register state only on request, once per process.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// 16 weights of input feature k (lo) and k + 1 (hi) -> 16 lanes of (bf16 lo, bf16 hi), as the B tile
+// wants pairs of input features side by side.
+CE_AMX inline __m512i interleave_bf16(__m512 lo, __m512 hi) {
+  alignas(64) static const uint16_t kOrder[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  return _mm512_permutexvar_epi16(order, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+// Input features [k_first, k_last) of a 64-output block, dequantized into B tiles at `tiles`.
+CE_AMX void block_to_tiles(const Problem& p, bool int4, int64_t block, int64_t k_first, int64_t k_last,
+                           uint16_t* tiles) {
+  const int64_t k_count = p.in_features;
+  const int64_t groups = int4 ? k_count / p.group_size : 0;
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t k = k_first; k < k_last; k += 2) {
+    uint16_t* row = tiles + (((k - k_first) / kTileK) * 4 * 16 + (k % kTileK) / 2) * 32;
+    if (int4) {
+      if (k >= k_count) {  // int4: k_count is even, so k + 1 is in too, and in the same group
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(row + j * 16 * 32, _mm512_setzero_si512());
+        continue;
+      }
+      const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (k_count / 2) + k / 2) * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kBlock), _MM_HINT_T0);
+      const int64_t at = (block * groups + k / p.group_size) * kBlock;
+      for (int j = 0; j < 4; ++j) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j));
+        const __m512 scale = _mm512_loadu_ps(p.scales + at + 16 * j);
+        const __m512 offset = _mm512_loadu_ps(p.offsets + at + 16 * j);
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low_mask))), scale, offset);
+        const __m512 hi = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low_mask))), scale, offset);
+        _mm512_store_si512(row + j * 16 * 32, interleave_bf16(lo, hi));
+      }
+    } else {
+      const int8_t* w = static_cast<const int8_t*>(p.packed) + block * k_count * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetchRows) * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + 1 + kPrefetchRows) * kBlock), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        if (k < k_count)
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kBlock + 16 * j))));
+        if (k + 1 < k_count)
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * kBlock + 16 * j))));
+        _mm512_store_si512(row + j * 16 * 32, interleave_bf16(lo, hi));
+      }
+    }
+  }
+}
+
+// Many rows: one 16-output tile of the block at a time, up to 4 row tiles (64 rows) per pass, so a
+// step's B tile is dequantized once for all of them. C0..C3 are the row tiles' sums.
+CE_AMX void column_tile_rows(const Problem& p, bool int4, const uint16_t* x_tiles, int64_t k_pad, int64_t block,
+                             int j, int64_t row0, int row_tiles, float* sums, uint16_t* tile) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t k_count = p.in_features;
+  const int64_t groups = int4 ? k_count / p.group_size : 0;
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t k0 = 0; k0 < k_pad; k0 += kTileK) {
+    for (int64_t k = k0; k < k0 + kTileK; k += 2) {
+      __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+      if (int4) {
+        if (k < k_count) {
+          const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (k_count / 2) + k / 2) * kBlock;
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j));
+          const int64_t at = (block * groups + k / p.group_size) * kBlock + 16 * j;
+          const __m512 scale = _mm512_loadu_ps(p.scales + at), offset = _mm512_loadu_ps(p.offsets + at);
+          lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low_mask))), scale, offset);
+          hi = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low_mask))), scale, offset);
+        }
+      } else {
+        const int8_t* w = static_cast<const int8_t*>(p.packed) + block * k_count * kBlock + 16 * j;
+        if (k < k_count)
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kBlock))));
+        if (k + 1 < k_count)
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * kBlock))));
+      }
+      _mm512_store_si512(tile + (k - k0) / 2 * 32, interleave_bf16(lo, hi));
+    }
+    _tile_loadd(5, tile, 64);
+    const uint16_t* x = x_tiles + row0 * k_pad + k0;
+    const int64_t stride = k_pad * 2, tile_rows = kTileRows * k_pad;
+    _tile_loadd(4, x, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (row_tiles > 1) {
+      _tile_loadd(6, x + tile_rows, stride);
+      _tile_dpbf16ps(1, 6, 5);
+    }
+    if (row_tiles > 2) {
+      _tile_loadd(7, x + 2 * tile_rows, stride);
+      _tile_dpbf16ps(2, 7, 5);
+    }
+    if (row_tiles > 3) {
+      _tile_loadd(4, x + 3 * tile_rows, stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  // sums: [64 rows][64 outputs]; this tile's 16 outputs of each row tile.
+  _tile_stored(0, sums + 16 * j, kBlock * 4);
+  if (row_tiles > 1) _tile_stored(1, sums + 16 * kBlock + 16 * j, kBlock * 4);
+  if (row_tiles > 2) _tile_stored(2, sums + 32 * kBlock + 16 * j, kBlock * 4);
+  if (row_tiles > 3) _tile_stored(3, sums + 48 * kBlock + 16 * j, kBlock * 4);
+}
+
+// finish_block for bf16 outputs, 16 outputs a vector (the tile path's outputs are bf16).
+CE_AMX void finish_block_bf16(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc,
+                              bool scaled) {
+  const int64_t first = block * kBlock;
+  const int64_t count = std::min(kBlock, p.out_features - first);
+  for (int r = 0; r < nrows; ++r) {
+    uint16_t* out_row = static_cast<uint16_t*>(p.out) + (row0 + r) * p.out_features + first;
+    for (int64_t f = 0; f < count; f += 16) {
+      const __mmask16 mask = count - f >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - f)) - 1);
+      __m512 v = _mm512_loadu_ps(acc + r * kBlock + f);
+      if (scaled) v = _mm512_mul_ps(v, _mm512_loadu_ps(p.scales + first + f));
+      if (p.bias != nullptr) {
+        const __m256i b = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.bias) + first + f);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+      _mm256_mask_storeu_epi16(out_row + f, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  }
+}
+
+// One tile step: C0..C3 += A (16 rows x 32 features at `x`) x the step's 4 B tiles at `b`.
+CE_AMX inline void tile_step(const uint16_t* x, int64_t x_stride_bytes, const uint16_t* b) {
+  _tile_loadd(4, x, x_stride_bytes);
+  _tile_loadd(5, b, 64);
+  _tile_loadd(6, b + 16 * 32, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(7, b + 2 * 16 * 32, 64);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(5, b + 3 * 16 * 32, 64);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// x_tiles: [rows_pad][k_pad] bf16, zero-padded. Up to 16 rows: all 4 output tiles at once, each
+// step's B tiles dequantized just before use (they stay in L1). More rows: column_tile_rows, 64 rows
+// a pass (the block's integers are in L2 after the first output tile).
+CE_AMX void tile_block(const Problem& p, bool int4, const uint16_t* x_tiles, int64_t k_pad, int64_t block,
+                       uint16_t* tiles) {
+  const int64_t steps = k_pad / kTileK;
+  alignas(64) float sums[4 * kTileRows * kBlock];
+  if (p.rows <= kTileRows) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t step = 0; step < steps; ++step) {
+      block_to_tiles(p, int4, block, step * kTileK, (step + 1) * kTileK, tiles);
+      tile_step(x_tiles + step * kTileK, k_pad * 2, tiles);
+    }
+    _tile_stored(0, sums, kBlock * 4);
+    _tile_stored(1, sums + 16, kBlock * 4);
+    _tile_stored(2, sums + 32, kBlock * 4);
+    _tile_stored(3, sums + 48, kBlock * 4);
+    finish_block_bf16(p, block, 0, static_cast<int>(p.rows), sums, !int4);
+    return;
+  }
+  for (int64_t row0 = 0; row0 < p.rows; row0 += 4 * kTileRows) {
+    const int64_t rows = std::min(4 * kTileRows, p.rows - row0);
+    const int row_tiles = static_cast<int>((rows + kTileRows - 1) / kTileRows);
+    for (int j = 0; j < 4; ++j) column_tile_rows(p, int4, x_tiles, k_pad, block, j, row0, row_tiles, sums, tiles);
+    for (int64_t r = 0; r < rows; r += kTileRows)
+      finish_block_bf16(p, block, row0 + r, static_cast<int>(std::min(kTileRows, rows - r)), sums + r * kBlock, !int4);
+  }
+}
+
+CE_AMX int run_tiles(const Problem& p, bool int4, const void* x, int64_t x_stride, int num_threads) {
+  const int64_t k_pad = (p.in_features + kTileK - 1) / kTileK * kTileK;
+  const int64_t rows_pad = (p.rows + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<uint16_t> x_tiles(rows_pad * k_pad, 0);
+  for (int64_t r = 0; r < p.rows; ++r)
+    std::memcpy(x_tiles.data() + r * k_pad, static_cast<const uint16_t*>(x) + r * x_stride, p.in_features * 2);
+  const int64_t blocks = (p.out_features + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    alignas(64) uint16_t tiles[kTileK * kBlock];  // one step's 4 B tiles
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) tile_block(p, int4, x_tiles.data(), k_pad, block, tiles);
+    _tile_release();
+  }
+  return 0;
+}
+#endif
 #endif
 
 template <bool kInt4>
@@ -428,9 +667,50 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   return 0;
 }
 
+// The tile path (`isa` >= 3) where this build and CPU have AMX and x is bf16; the GEMV's otherwise.
+template <bool kInt4>
+int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                  const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+                  int64_t out_features, int dtype, int isa, int num_threads) {
+#if defined(CE_AMX_AVAILABLE)
+  if (isa >= 3 && dtype == kBFloat16 && rows > 0 && in_features > 0 && out_features > 0 && amx_permitted()) {
+    if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
+    const Problem p{nullptr, nullptr, nullptr, nullptr, rows, packed, scales, offsets, group_size,
+                    bias, out, in_features, out_features, dtype};
+    return run_tiles(p, kInt4, x, x_stride, num_threads);
+  }
+#endif
+  return run<kInt4>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features, out_features,
+                    dtype, std::min(isa, 2), num_threads);
+}
+
 }  // namespace
 
 extern "C" {
+
+// 1 where the tile path can run here (built with AMX BF16 and granted the AMX state), else 0.
+int ce_cpu_gemm_tiles_available() {
+#if defined(CE_AMX_AVAILABLE)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// As ce_cpu_gemv_int8 / _int4, for many rows: `isa` 3 takes the tile path (see run_many_rows).
+int ce_cpu_gemm_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
+                     int num_threads) {
+  return run_many_rows<false>(x, x_stride, rows, packed, scales, nullptr, 0, bias, out, in_features, out_features,
+                              dtype, isa, num_threads);
+}
+
+int ce_cpu_gemm_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+                     int64_t out_features, int dtype, int isa, int num_threads) {
+  return run_many_rows<true>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
+                             out_features, dtype, isa, num_threads);
+}
 
 // Both return 0, or 1 for bad arguments. `isa` as in the header (the caller checked the CPU has it).
 int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,

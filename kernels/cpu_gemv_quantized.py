@@ -1,5 +1,8 @@
 """`compiled_engine::cpu_gemv_int8` / `cpu_gemv_int4`: quantized linears for a few token rows
-through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight variants.
+through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight variants; and
+`cpu_gemm_int8` / `cpu_gemm_int4`, the same maths for many rows on the kernel's tile path (each
+64-output block dequantized to bf16 once and multiplied with every row on AMX; bf16 activations on
+a CPU with AMX BF16, else they run the GEMV's loops).
 
 Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
 the other (graphs/passes/cpu_gemv_quantized.py) in the buckets where the GEMV policy measured this
@@ -52,6 +55,12 @@ def _declare(library: ctypes.CDLL) -> None:
         _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT,
     ]  # fmt: skip
     library.ce_cpu_gemv_int4.restype = _INT
+    library.ce_cpu_gemm_int8.argtypes = library.ce_cpu_gemv_int8.argtypes
+    library.ce_cpu_gemm_int8.restype = _INT
+    library.ce_cpu_gemm_int4.argtypes = library.ce_cpu_gemv_int4.argtypes
+    library.ce_cpu_gemm_int4.restype = _INT
+    library.ce_cpu_gemm_tiles_available.argtypes = []
+    library.ce_cpu_gemm_tiles_available.restype = _INT
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:
@@ -62,6 +71,24 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
 def cpu_gemv_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether the kernels can run quantized linears with `dtype` activations on `device` here."""
     return kernel_available(load, QUANTIZED_DTYPES, dtype, device)
+
+
+# The tile path's `isa` (above the GEMV's ISA_* of kernels/cpu_gemv.py): AMX BF16.
+ISA_AMX = 3
+
+
+@cache
+def tiles_available() -> bool:
+    """Whether the tile path runs here: the library built with AMX BF16 and the OS granting its state."""
+    try:
+        return bool(load().ce_cpu_gemm_tiles_available())
+    except (OSError, RuntimeError):
+        return False
+
+
+def cpu_gemm_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether `cpu_gemm_int8` / `_int4` take the tile path for `dtype` activations on `device`."""
+    return dtype == torch.bfloat16 and cpu_gemv_quantized_available(dtype, device) and tiles_available()
 
 
 def _blocks(rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -166,6 +193,26 @@ def _checked_rows(x: torch.Tensor, in_features: int, isa: int | None) -> tuple[t
     return rows, ISA_AVX512 if chosen >= ISA_AVX512 else ISA_PORTABLE
 
 
+def _paths(x: torch.Tensor, in_features: int, isa: int | None, tiles: bool) -> tuple[torch.Tensor, int]:
+    """x's rows and the kernel path: the GEMV's (_checked_rows), or for the many-rows ops _tile_path's."""
+    forced_tiles = tiles and isa is not None and isa >= ISA_AMX
+    rows, path = _checked_rows(x, in_features, None if forced_tiles else isa)
+    return rows, _tile_path(x, isa, path) if tiles else path
+
+
+def _tile_path(x: torch.Tensor, isa: int | None, gemv_path: int) -> int:
+    """The many-rows ops' path: the tiles by default where they run, else the GEMV's `gemv_path`."""
+    if isa is not None and isa >= ISA_AMX:
+        if not tiles_available():
+            raise ValueError("cpu_gemm_quantized: this CPU (or build) cannot run the AMX tile path")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"cpu_gemm_quantized: the AMX tile path takes bfloat16 x, not {x.dtype}")
+        return ISA_AMX
+    if isa is None and x.dtype == torch.bfloat16 and tiles_available():
+        return ISA_AMX
+    return gemv_path
+
+
 def _bias(bias: torch.Tensor | None, x: torch.Tensor) -> Any:
     if bias is None:
         return None
@@ -182,12 +229,34 @@ def cpu_gemv_int8_linear(
     isa: int | None = None,
 ) -> torch.Tensor:
     """x @ (qweight * scales[:, None])^T (+ bias) through the kernel; `isa` forces a path (tests)."""
+    return _int8_linear(x, qweight, scales, bias, isa, tiles=False)
+
+
+def cpu_gemm_int8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    isa: int | None = None,
+) -> torch.Tensor:
+    """`cpu_gemv_int8_linear` for many rows: the tile path (ISA_AMX) where it runs; `isa` forces one."""
+    return _int8_linear(x, qweight, scales, bias, isa, tiles=True)
+
+
+def _int8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    isa: int | None,
+    tiles: bool,
+) -> torch.Tensor:
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales)
-    rows, path = _checked_rows(x, entry.in_features, isa)
+    rows, path = _paths(x, entry.in_features, isa, tiles)
     bias = _bias(bias, x)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales = entry.pointers
-    code = _int8_kernel()(
+    code = (_int8_tiles_kernel() if tiles else _int8_kernel())(
         rows.data_ptr(), entry.in_features, rows.shape[0], packed, packed_scales,
         None if bias is None else bias.data_ptr(), out.data_ptr(), entry.in_features, entry.out_features,
         _DTYPE_CODES[x.dtype], path, torch.get_num_threads(),
@@ -207,12 +276,38 @@ def cpu_gemv_int4_linear(
     isa: int | None = None,
 ) -> torch.Tensor:
     """x @ dequantized(int4 qweight)^T (+ bias) through the kernel; `isa` forces a path (tests)."""
+    return _int4_linear(x, qweight, scales, zeros, group_size, bias, isa, tiles=False)
+
+
+def cpu_gemm_int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    isa: int | None = None,
+) -> torch.Tensor:
+    """`cpu_gemv_int4_linear` for many rows: the tile path (ISA_AMX) where it runs; `isa` forces one."""
+    return _int4_linear(x, qweight, scales, zeros, group_size, bias, isa, tiles=True)
+
+
+def _int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    isa: int | None,
+    tiles: bool,
+) -> torch.Tensor:
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
-    rows, path = _checked_rows(x, entry.in_features, isa)
+    rows, path = _paths(x, entry.in_features, isa, tiles)
     bias = _bias(bias, x)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales, offsets = entry.pointers
-    code = _int4_kernel()(
+    code = (_int4_tiles_kernel() if tiles else _int4_kernel())(
         rows.data_ptr(), entry.in_features, rows.shape[0], packed, packed_scales, offsets, group_size,
         None if bias is None else bias.data_ptr(), out.data_ptr(), entry.in_features, entry.out_features,
         _DTYPE_CODES[x.dtype], path, torch.get_num_threads(),
@@ -232,6 +327,16 @@ def _int4_kernel() -> Any:
     return load().ce_cpu_gemv_int4
 
 
+@cache
+def _int8_tiles_kernel() -> Any:
+    return load().ce_cpu_gemm_int8
+
+
+@cache
+def _int4_tiles_kernel() -> Any:
+    return load().ce_cpu_gemm_int4
+
+
 def _int8_op(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -249,17 +354,46 @@ def _int4_op(
     return cpu_gemv_int4_linear(x, qweight, scales, zeros, group_size, bias)
 
 
+def _gemm_int8_op(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return cpu_gemm_int8_linear(x, qweight, scales, bias)
+
+
+def _gemm_int4_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return cpu_gemm_int4_linear(x, qweight, scales, zeros, group_size, bias)
+
+
 _LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
 _LIBRARY.define("cpu_gemv_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
 _LIBRARY.define(
     "cpu_gemv_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
     "Tensor? bias) -> Tensor"
 )
+_LIBRARY.define("cpu_gemm_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
+_LIBRARY.define(
+    "cpu_gemm_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
+    "Tensor? bias) -> Tensor"
+)
 _LIBRARY.impl("cpu_gemv_int8", _int8_op, "CPU")
 _LIBRARY.impl("cpu_gemv_int4", _int4_op, "CPU")
 torch.library.register_fake("compiled_engine::cpu_gemv_int8", int8_linear_fake, lib=_LIBRARY)
 torch.library.register_fake("compiled_engine::cpu_gemv_int4", int4_linear_fake, lib=_LIBRARY)
+_LIBRARY.impl("cpu_gemm_int8", _gemm_int8_op, "CPU")
+_LIBRARY.impl("cpu_gemm_int4", _gemm_int4_op, "CPU")
+torch.library.register_fake("compiled_engine::cpu_gemm_int8", int8_linear_fake, lib=_LIBRARY)
+torch.library.register_fake("compiled_engine::cpu_gemm_int4", int4_linear_fake, lib=_LIBRARY)
 
 # The same maths as kernels/quantized_linear.py's int8_weight_linear / int4_weight_linear.
 cpu_gemv_int8 = torch.ops.compiled_engine.cpu_gemv_int8.default
 cpu_gemv_int4 = torch.ops.compiled_engine.cpu_gemv_int4.default
+# ... for many rows, on the tile path where it runs (module docstring).
+cpu_gemm_int8 = torch.ops.compiled_engine.cpu_gemm_int8.default
+cpu_gemm_int4 = torch.ops.compiled_engine.cpu_gemm_int4.default

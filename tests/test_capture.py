@@ -23,7 +23,7 @@ from compiled_engine.graphs.capture import capture_model, default_pass_manager
 from compiled_engine.graphs.pass_manager import PassManager
 from compiled_engine.graphs.passes.check_lowering import CheckLowering
 from compiled_engine.graphs.passes.cpu_gemv import CpuGemvLinears
-from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemvQuantized
+from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemmQuantized, CpuGemvQuantized
 from compiled_engine.graphs.passes.dce import DeadCodeElimination
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.graphs.passes.inline_attention import InlineAttention
@@ -261,7 +261,14 @@ def test_pass_manager_version_covers_passes_and_op() -> None:
     manager = default_pass_manager("AnyModel", 2)
     # Every pass in pipeline order (per-bucket ones marked), each with its source hash, then the op.
     capture = [LowerSdpa, NoopElimination, DeadCodeElimination, CheckLowering]
-    per_bucket = [GemvLowering, CpuGemvLinears, PackLinearWeights, CpuGemvQuantized, InlineAttention]
+    per_bucket = [
+        GemvLowering,
+        CpuGemvLinears,
+        PackLinearWeights,
+        CpuGemvQuantized,
+        CpuGemmQuantized,
+        InlineAttention,
+    ]
     assert manager.version() == ";".join(
         [f"{p.name}={p.version}" for p in capture]
         + [f"bucket:{p.name}={p.version}" for p in per_bucket]

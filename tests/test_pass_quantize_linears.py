@@ -208,3 +208,38 @@ def test_the_quantized_gemv_runs_where_the_policy_measured_it_and_the_decision_k
         gm = fx.symbolic_trace(lambda x: x + 1)
         report = manager.run_bucket(gm, BucketTarget(bucket, 4, "cpu", "cpu", decision))
         assert report.ran("cpu_gemv_quantized") == ran, bucket
+
+
+def test_the_tile_path_runs_where_the_policy_measured_it_and_the_decision_keeps_it() -> None:
+    decision = GemvDecision(
+        lowered_rows=(),
+        quantized_kernel_rows=(1,),
+        quantized_timings=((1, 2.0, 1.0),),
+        quantized_tile_rows=(16, 32),
+        quantized_tile_timings=((16, 9.0, 3.0),),
+    )
+    assert GemvDecision.from_json(decision.to_json()) == decision
+    manager = default_pass_manager("AnyModel", 1)
+    for bucket, gemv, tiles in ((1, True, False), (16, False, True), (32, False, True), (8, False, False)):
+        gm = fx.symbolic_trace(lambda x: x + 1)
+        report = manager.run_bucket(gm, BucketTarget(bucket, 4, "cpu", "cpu", decision))
+        assert report.ran("cpu_gemv_quantized") == gemv and report.ran("cpu_gemm_quantized") == tiles, bucket
+
+
+@pytest.mark.skipif(not cpu_gemv_quantized_available(torch.bfloat16), reason="no C++ compiler")
+def test_the_policy_gives_each_timed_row_count_one_form() -> None:
+    from compiled_engine.graphs.quantized_gemv_policy import QuantizedShape, measure_quantized_rows
+    from compiled_engine.kernels.cpu_gemv_quantized import cpu_gemm_quantized_available
+
+    shapes = [QuantizedShape(192, 128, None), QuantizedShape(128, 256, 32)]
+    measured = measure_quantized_rows(shapes, (1, 2, 16, 24), torch.bfloat16)
+    assert not set(measured.gemv_rows) & set(measured.tile_rows)
+    assert {r for r, _, _ in measured.gemv_timings} <= {1, 2}  # the GEMV only up to 8 rows
+    # A form wins a row count only where its fastest call beat torch's kernel's.
+    assert all(gemv < torch_ms for r, torch_ms, gemv in measured.gemv_timings if r in measured.gemv_rows)
+    if cpu_gemm_quantized_available(torch.bfloat16):
+        assert [r for r, _, _ in measured.tile_timings] == [1, 2, 16, 24][: len(measured.tile_timings)]
+        wins = [tiles < torch_ms for r, torch_ms, tiles in measured.tile_timings if r in measured.tile_rows]
+        assert all(wins)
+    else:
+        assert measured.tile_rows == () and measured.tile_timings == ()

@@ -1,0 +1,128 @@
+"""The quantized kernel's many-rows ops (`cpu_gemm_int8` / `cpu_gemm_int4`, kernels/cpu_gemv_quantized.py)
+against `F.linear` over the dequantized weight in float32: the AMX tile path where this CPU has it,
+and the GEMV paths they fall back to (forced), at 1 to 100 rows, odd sizes and strided inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemmQuantized
+from compiled_engine.kernels.cpu_gemv import ISA_AVX512, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.cpu_gemv_quantized import (
+    ISA_AMX,
+    cpu_gemm_int4,
+    cpu_gemm_int4_linear,
+    cpu_gemm_int8,
+    cpu_gemm_int8_linear,
+    cpu_gemm_quantized_available,
+    cpu_gemv_quantized_available,
+    tiles_available,
+)
+from compiled_engine.kernels.quantized_linear import int4_weight_linear, int8_weight_linear
+from compiled_engine.kernels.weight_quantization import dequantize, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32), reason="no C++ compiler")
+
+# The tile path where it runs, and the GEMV paths the ops take without it.
+ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX512) if isa <= best_isa()]
+ISAS += [ISA_AMX] if tiles_available() else []
+ROWS = (1, 3, 16, 64, 100)
+# (in_features, out_features): in_features not a multiple of the tiles' 32 (int8), out_features
+# past one 64-output block and not a multiple of it.
+INT8_SHAPES = [(70, 130), (96, 64), (515, 200)]
+INT4_SHAPES = [(64, 70, 32), (256, 131, 64), (96, 5, 32)]
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    scale = expected.abs().max().clamp_min(1.0)
+    # bf16 outputs (and int4 weights rounded to bf16 on the tile path): within bf16's rounding
+    tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2
+    assert ((got.float() - expected).abs().max() / scale).item() < tolerance
+
+
+def _strided(rows: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """bf16 rows that are a column slice of a wider tensor (row stride != in_features)."""
+    wide = torch.randn(rows, in_features + 9, generator=generator).to(torch.bfloat16)
+    return wide[:, 3 : 3 + in_features]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("in_features, out_features", INT8_SHAPES)
+def test_int8_matches_the_dequantized_linear(isa, rows, in_features, out_features) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    q = quantize_int8(torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16))
+    x = _strided(rows, in_features, generator)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+    w = dequantize(q)
+    _check(cpu_gemm_int8_linear(x, q.qweight, q.scales, b, isa=isa), x, F.linear(x.float(), w, b.float()))
+    _check(cpu_gemm_int8_linear(x, q.qweight, q.scales, None, isa=isa), x, F.linear(x.float(), w))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("in_features, out_features, group_size", INT4_SHAPES)
+def test_int4_matches_the_dequantized_linear(isa, rows, in_features, out_features, group_size) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=generator) + 0.5
+    q = quantize_int4(w.to(torch.bfloat16), group_size)
+    x = _strided(rows, in_features, generator)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+    expected = F.linear(x.float(), dequantize(q), b.float())
+    _check(cpu_gemm_int4_linear(x, q.qweight, q.scales, q.zeros, group_size, b, isa=isa), x, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_other_activation_dtypes_take_the_gemv(dtype) -> None:
+    # The tiles take bf16 only; the op still gives the linear for the others (on the GEMV's loops).
+    x = torch.randn(20, 64).to(dtype)
+    q = quantize_int8(torch.randn(70, 64).to(dtype))
+    _check(cpu_gemm_int8_linear(x, q.qweight, q.scales), x, F.linear(x.float(), dequantize(q)))
+    assert not cpu_gemm_quantized_available(dtype)
+
+
+def test_the_ops_agree_with_torchs_kernels_and_the_pass_swaps_them() -> None:
+    x = torch.randn(2, 24, 128).to(torch.bfloat16)
+    q8 = quantize_int8(torch.randn(96, 128).to(torch.bfloat16))
+    q4 = quantize_int4(torch.randn(96, 128).to(torch.bfloat16), 32)
+    # Both round their bf16 outputs: one bf16 step of the largest output apart at most.
+    expected8 = int8_weight_linear(x, q8.qweight, q8.scales, None).float()
+    _check(cpu_gemm_int8(x, q8.qweight, q8.scales, None), x, expected8)
+    _check(
+        cpu_gemm_int4(x, q4.qweight, q4.scales, q4.zeros, 32, None),
+        x,
+        int4_weight_linear(x, q4.qweight, q4.scales, q4.zeros, 32, None).float(),
+    )
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q8, self.s8 = q8.qweight, q8.scales
+            self.q4, self.s4, self.z4 = q4.qweight, q4.scales, q4.zeros
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = int8_weight_linear(x, self.q8, self.s8, None)
+            return y + int4_weight_linear(x, self.q4, self.s4, self.z4, 32, None)
+
+    gm = torch.fx.symbolic_trace(Model())
+    expected = gm(x)
+    result = CpuGemmQuantized()(gm)
+    assert result.nodes_rewritten == 2
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert cpu_gemm_int8 in targets and cpu_gemm_int4 in targets
+    _check(gm(x), x, expected.float())
+
+
+def test_bad_arguments_are_refused() -> None:
+    q = quantize_int8(torch.randn(70, 64))
+    with pytest.raises(ValueError, match="features"):
+        cpu_gemm_int8_linear(torch.randn(4, 65).to(torch.bfloat16), q.qweight, q.scales)
+    if tiles_available():
+        with pytest.raises(ValueError, match="bfloat16"):
+            cpu_gemm_int8_linear(torch.randn(4, 64), q.qweight, q.scales, isa=ISA_AMX)
+    else:
+        with pytest.raises(ValueError, match="AMX"):
+            cpu_gemm_int8_linear(torch.randn(4, 64).to(torch.bfloat16), q.qweight, q.scales, isa=ISA_AMX)
