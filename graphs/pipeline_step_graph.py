@@ -78,18 +78,18 @@ class PipelineStepGraph:
     wrapped graph's)."""
 
     def __init__(self, inner: StepGraph, buffers: StepInputs, stage: int, num_microbatches: int) -> None:
-        self._inner = inner
+        self.inner = inner
         self._buffers = buffers
         self.stage = stage
         self.num_microbatches = num_microbatches
         self._times = StageTimes(stage, 0, 0, 0.0, 0.0)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        return getattr(self.inner, name)
 
     @property
     def last_call(self) -> Any:
-        return self._inner.last_call
+        return self.inner.last_call
 
     def stage_times(self, reset: bool = False) -> StageTimes:
         times = self._times
@@ -102,7 +102,7 @@ class PipelineStepGraph:
         TransferClock.take()
         groups = split_sequences(inputs.query_start_loc.tolist(), self.num_microbatches)
         if len(groups) == 1:
-            logits = self._inner(inputs)
+            logits = self.inner(inputs)
             wait_transfers()
         else:
             logits = self._run_microbatches(inputs, groups)
@@ -125,7 +125,7 @@ class PipelineStepGraph:
         try:
             for first, end in groups:
                 sub, rows = self._stage_microbatch(step, starts, first, end)
-                parts.append((rows, self._inner(sub)))
+                parts.append((rows, self.inner(sub)))
             wait_transfers()  # the first stage's logits are filled from here on
         finally:
             self._restore(step)

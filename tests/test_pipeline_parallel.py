@@ -20,6 +20,7 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.distributed.pipeline_stages import split_layers, stage_of_rank
 from compiled_engine.distributed.workers import TensorParallelWorkerError
 from compiled_engine.graphs.compiled_step import CompiledStep
+from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph, split_sequences
 from tests.model_factory import make_tiny_model
 
 WORKER_NAME = "compiled-engine-tp-rank"
@@ -87,6 +88,15 @@ def test_layers_split_into_contiguous_stages_earlier_ones_taking_the_remainder()
     assert (stage.previous_rank, stage.first_stage_rank, stage.is_last) == (1, 1, True)
 
 
+def test_a_step_splits_into_micro_batches_of_whole_sequences_about_equal_in_tokens():
+    # query_start_loc of 4 sequences of 10, 1, 1 and 8 tokens.
+    assert split_sequences([0, 10, 11, 12, 20], 2) == [(0, 1), (1, 4)]
+    assert split_sequences([0, 1, 2, 3, 4], 2) == [(0, 2), (2, 4)]
+    assert split_sequences([0, 5], 2) == [(0, 1)]  # one sequence: one micro-batch
+    assert split_sequences([0, 1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert split_sequences([0, 30, 31, 32], 3) == [(0, 1), (1, 2), (2, 3)]  # none empty
+
+
 def test_bad_pipeline_sizes_are_refused_by_name(llama_dir):
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive int, got 0"):
         LLM(llama_dir, pipeline_parallel_size=0, **ENGINE)
@@ -146,7 +156,8 @@ def test_two_stages_compiled_match_one_process(four_layer_dirs, arch):
 
     llm = LLM(model_dir, pipeline_parallel_size=2, **ENGINE)
     try:
-        assert isinstance(llm.engine.model_runner.step_graph, CompiledStep)
+        step_graph = llm.engine.model_runner.step_graph
+        assert isinstance(step_graph, PipelineStepGraph) and isinstance(step_graph.inner, CompiledStep)
         assert len(llm.engine.model_runner.kv_caches) == 2  # layers 0-1 of 4
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert outputs == expected
@@ -199,3 +210,39 @@ def test_a_killed_stage_stops_the_engine_with_a_clear_error_and_every_process_en
     finally:
         llm.close()
     _assert_nothing_left()
+
+
+@pytest.mark.slow  # a Ray test cluster of two simulated nodes, and a worker actor
+def test_two_stages_on_ray_match_one_process(llama_dir):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from tests.test_ray_replicas import _engine_actors
+
+    prompts = _prompts(384, 4, seed=6)
+    expected = _single_process_tokens(llama_dir, prompts, enforce_eager=True)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        llm = LLM(
+            llama_dir,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+            enforce_eager=True,
+            **ENGINE,
+        )
+        try:
+            assert _engine_actors("TensorParallelActor")  # stage 1 runs in a Ray actor
+            outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        finally:
+            llm.close()
+        assert outputs == expected
+        deadline = time.monotonic() + 30
+        while _engine_actors("TensorParallelActor") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _engine_actors("TensorParallelActor") == []
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert not dist.is_initialized()

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -335,6 +336,14 @@ class LLMEngine:
             num_draft_tokens=scheduler.num_draft_tokens,
             num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
         )
+
+    def pipeline_stage_times(self, reset: bool = False) -> list[Any]:
+        """Pipeline parallelism: each rank's `StageTimes` (graphs/pipeline_step_graph.py: time in
+        its stage's graph computing vs waiting for other stages), by rank; `reset` zeroes them."""
+        runner = self.core.runner
+        if self.pipeline_stage is None or not isinstance(runner, BroadcastingRunner):
+            raise ValueError("pipeline_stage_times() needs an engine with pipeline_parallel_size > 1")
+        return runner.stage_times(reset)
 
     def num_free_kv_blocks(self) -> int:
         return self.core.scheduler.kv_cache_manager.num_free_blocks
