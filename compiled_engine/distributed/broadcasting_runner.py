@@ -91,9 +91,11 @@ class BroadcastingRunner(Generic[LaunchedT]):
     def stage_times(self, reset: bool = False) -> list[Any]:
         """Pipeline parallelism: every rank's stage times (graphs/pipeline_step_graph.py), by rank."""
         step_graph: Any = getattr(self._runner, "step_graph", None)
-        return self._on_every_rank(
+        gathered = self._on_every_rank(
             ReportStageTimes(reset), lambda: self._group.gather(step_graph.stage_times(reset))
         )
+        assert gathered is not None  # rank 0 gathers
+        return gathered
 
     def reset_after_failure(self) -> None:
         self._on_every_rank(ResetAfterFailure(), self._runner.reset_after_failure)

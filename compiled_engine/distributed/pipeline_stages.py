@@ -142,9 +142,9 @@ def slice_for_stage(loaded: LoadedModel, stage: PipelineStage) -> LoadedModel:
     """The stage's model (the loaded one, changed in place) and its model config and TP layout."""
     model = loaded.model
     name = type(model).__name__
-    body = getattr(model, "model", None)
+    body: Any = getattr(model, "model", None)
     layers = getattr(body, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
+    if body is None or not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
         raise UnsupportedModelError(
             f"{name} has no `model.layers` list and `lm_head`, so it cannot be split into pipeline stages"
         )
@@ -203,7 +203,7 @@ def _stage_forward_for(stage: PipelineStage, hidden_size: int, vocab_size: int, 
     """The stage's `forward`, called as graphs/capture.py calls a causal LM's."""
 
     def stage_forward(
-        self: nn.Module,
+        self: Any,  # the model (a transformers causal LM: `model` body, `lm_head`)
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         use_cache: bool = False,
