@@ -91,6 +91,17 @@ class PipelineStepGraph:
     def last_call(self) -> Any:
         return self.inner.last_call
 
+    # No decode-graph capture for a stage: its hand-offs post sends and receives from Python
+    # (kernels/pipeline_transfer.py), which a replayed CUDA graph would not repeat. Its bucket
+    # graphs run uncaptured.
+    supports_graphs = False
+
+    def capture_graphs(self) -> int:
+        return 0
+
+    def release_graphs(self) -> None:
+        pass
+
     def stage_times(self, reset: bool = False) -> StageTimes:
         times = self._times
         if reset:
