@@ -713,6 +713,63 @@ def tensor_parallel_section(
     return run
 
 
+def pipeline_parallel_section(
+    models: list[ParityModel], device: torch.device, quick: bool
+) -> Callable[[Report], None]:
+    """Greedy outputs of pipeline_parallel_size=2 (compiled; stage s on cuda:s) against one
+    process, on NCCL or gloo, and each stage's busy share of the generate call."""
+
+    def run(report: Report) -> None:
+        from compiled_engine import LLM, SamplingParams
+
+        if device.type == "cuda" and torch.cuda.device_count() < 2:
+            report.line(f"- skipped: PP=2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+            return
+        model = models[0]
+        prompts = [
+            {"prompt_token_ids": p} for p in random_prompts(_vocab_size(model.path), 4 if quick else 16)
+        ]
+        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        buckets = QUICK_COMPILE_BUCKETS if quick else COMPILE_BUCKETS
+        outputs = {}
+        with tempfile.TemporaryDirectory(prefix="gpu-check-pp-cache-") as cache_dir:
+            for size in (1, 2):
+                started = time.perf_counter()
+                llm = LLM(
+                    str(model.path),
+                    device=str(device),
+                    pipeline_parallel_size=size,
+                    cache_dir=cache_dir,
+                    **_parity_engine_kwargs(buckets),
+                )
+                try:
+                    if size > 1:
+                        llm.engine.pipeline_stage_times(reset=True)
+                    generate_started = time.perf_counter()
+                    generated = llm.generate(prompts, params, use_tqdm=False)
+                    wall = time.perf_counter() - generate_started
+                    if size > 1:
+                        busy = ", ".join(
+                            f"stage {t.stage} busy {t.busy_s / wall:.0%} waiting {t.wait_s / wall:.0%}"
+                            for t in llm.engine.pipeline_stage_times()
+                        )
+                        report.line(f"- PP=2 generate {wall:.2f} s: {busy}")
+                finally:
+                    llm.close()
+                outputs[size] = [list(o.outputs[0].token_ids) for o in generated]
+                seconds = time.perf_counter() - started
+                report.line(f"- {model.label} fp32 compiled, PP={size}: start + generate {seconds:.1f} s")
+                del llm
+        same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
+        report.line(f"- PP=2 vs PP=1: {same} of {len(prompts)} prompts identical")
+        if same != len(prompts):
+            raise AssertionError(
+                f"PP=2 greedy outputs differ from one process's in {len(prompts) - same} prompts"
+            )
+
+    return run
+
+
 def _format_compile_seconds(seconds: dict[int | None, float]) -> str:
     return (
         ", ".join(f"{'dynamic' if b is None else b}: {s:.1f}" for b, s in seconds.items()) or "none compiled"
@@ -1062,6 +1119,13 @@ def plan_sections(
             "Tensor parallel, 2 ranks vs 1",
             PARITY_SECTION,
             tensor_parallel_section(models, device, args.quick),
+        )
+    )
+    sections.append(
+        Section(
+            "Pipeline parallel, 2 stages vs 1",
+            PARITY_SECTION,
+            pipeline_parallel_section(models, device, args.quick),
         )
     )
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]

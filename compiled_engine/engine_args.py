@@ -210,6 +210,11 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "shard the model over this many ranks (this process plus worker processes)"
     )
+    pipeline_parallel_size: int = option(
+        1,
+        "split the decoder layers into this many stages, each on its own tensor-parallel ranks "
+        "(pipeline_parallel_size x tensor_parallel_size processes in all; docs/distributed.md)",
+    )
     data_parallel_size: int = option(
         1,
         "engine replicas behind one server, each a process of its own with its own KV cache, "
@@ -267,7 +272,13 @@ class EngineArgs:
         object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
         if self.runner not in RUNNER_CHOICES:
             raise ValueError(f"unknown runner {self.runner!r}: choose one of {', '.join(RUNNER_CHOICES)}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "block_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+        ):
             _positive_int(name, getattr(self, name))
         reserved = self.cpu_reserved_cores
         bad_type = isinstance(reserved, bool) or not isinstance(reserved, int)
@@ -338,8 +349,33 @@ class EngineArgs:
                 "async_scheduling=True is not supported with tensor_parallel_size > 1: every rank "
                 "runs each step as rank 0 scheduled it (the synchronous loop)"
             )
+        self._check_pipeline_parallel()
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline stages do not run yet (each untested there): refused by name."""
+        if self.pipeline_parallel_size == 1:
+            return
+        refused = {
+            "async_scheduling=True": self.async_scheduling is True,
+            "compile_policy='background'": self.compile_policy == "background",
+            "quantization": self.quantization is not None,
+            "speculative_config with method 'draft_model'": self.speculative_config is not None
+            and self.speculative_config.method == "draft_model",
+            "data_parallel_size > 1": self.data_parallel_size > 1,
+        }
+        for what, asked in refused.items():
+            if asked:
+                raise ValueError(
+                    f"{what} is not supported with pipeline_parallel_size > 1 yet: every stage runs each "
+                    "step as rank 0 scheduled it, one step at a time (docs/distributed.md)"
+                )
 
     # -- resolving ---------------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine runs on: tensor_parallel_size ranks per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolve_model_dir(self) -> str:
         """The model folder: `model`, else the small code model shipped inside the package."""
@@ -399,7 +435,7 @@ class EngineArgs:
             buckets = check_buckets(self.compile_buckets, max_num_batched_tokens)
         else:
             buckets = default_buckets(max_num_batched_tokens, self.max_num_seqs)
-        if self.tensor_parallel_size > 1:
+        if self.world_size > 1:
             async_scheduling = False  # every rank runs each step as rank 0 scheduled it
         elif self.async_scheduling is None:
             async_scheduling = ASYNC_SCHEDULING_DEFAULT.get(device.type, False)
@@ -467,7 +503,7 @@ class EngineArgs:
                 )
         if policy is None:
             policy = COMPILE_POLICY_DEFAULT.get(device.type, "blocking")
-        if policy == "background" and self.tensor_parallel_size > 1:
+        if policy == "background" and self.world_size > 1:
             policy = "blocking"  # the environment's default: the explicit option is refused above
         if policy == "background" and device.type != "cpu":
             raise ValueError(

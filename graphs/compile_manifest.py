@@ -14,7 +14,8 @@ Fields (all strings, so a manifest reads and diffs as-is in JSON):
   layout (not its block count: that stays symbolic in the graphs, so a cache sized from free
   memory does not miss), linear fusion, attention backend, tensor-parallel rank/size (each
   rank's graphs differ: its slice of the vocabulary is a constant in them), weight quantization
-  (its label: scheme and group size; the quantized weights are rebuilt by their recipes);
+  (its label: scheme and group size; the quantized weights are rebuilt by their recipes),
+  pipeline stage (when pipeline-parallel: its layers and its peers' ranks);
 - versions.*: python, torch, triton, transformers, and every pass / op / step version;
 - device.*: kind and capability (CUDA compute capability and name; CPU instruction set).
 """
@@ -51,6 +52,7 @@ class GraphOptions:
     tensor_parallel: str = "1"  # "rank/size" when sharded: each rank's graphs differ
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype; else int8 / fp8 codes
     quantization: str = "none"  # the weight quantization's label ("int8", "int4-g32"): its constants differ
+    pipeline_stage: str = "1"  # a pipeline stage's label: its layers and peers are in its graphs
 
 
 def _sha(text: str) -> str:
@@ -126,6 +128,8 @@ def build_manifest(
             "engine.quantization": options.quantization,
         }
     )
+    if options.pipeline_stage != "1":  # only then: keys without pipeline parallelism stay as they were
+        manifest["engine.pipeline_stage"] = options.pipeline_stage
     manifest.update(
         {
             "versions.python": sys.version.split()[0],

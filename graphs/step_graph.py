@@ -25,6 +25,7 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.distributed.layout import TensorParallelLayout
+from compiled_engine.distributed.pipeline_stages import pipeline_stage_of
 from compiled_engine.graphs.background_builds import CompilerProcess
 from compiled_engine.graphs.bucket_compiler import BucketBuild
 from compiled_engine.graphs.buckets import default_buckets
@@ -145,8 +146,40 @@ def build_step_graph(
     kept (None: compiled in memory only). `attention_backend`: resolved (kernels/backends.py).
     `compiler`: how to start the background compiler (the "background" policy only).
     `before_inductor`: called before Inductor first compiles or loads a graph (the engine's
-    graphs/inductor_warmup.py probes).
+    graphs/inductor_warmup.py probes). A pipeline stage's model (distributed/pipeline_stages.py)
+    gets its graph wrapped to run each step as micro-batches (graphs/pipeline_step_graph.py).
     """
+    graph = _build_step_graph(
+        model,
+        kv_caches,
+        buffers,
+        config,
+        cache=cache,
+        attention_backend=attention_backend,
+        tensor_parallel=tensor_parallel,
+        compiler=compiler,
+        before_inductor=before_inductor,
+    )
+    stage = pipeline_stage_of(model)
+    if stage is None:
+        return graph
+    from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph, microbatch_count
+
+    return PipelineStepGraph(graph, buffers, stage.index, microbatch_count(stage.num_stages))  # type: ignore[return-value]
+
+
+def _build_step_graph(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    buffers: StepInputs,
+    config: EngineConfig,
+    *,
+    cache: CompileCache | None,
+    attention_backend: AttentionBackend,
+    tensor_parallel: TensorParallelLayout | None,
+    compiler: CompilerProcess | None,
+    before_inductor: Callable[[], None] | None,
+) -> StepGraph:
     if config.enforce_eager:
         captured = capture_model(
             model,
@@ -193,6 +226,7 @@ def step_manifest(
     tensor_parallel: TensorParallelLayout | None,
 ) -> Manifest:
     """The compile-cache manifest of a compiled step: every input that shapes its graphs."""
+    stage = pipeline_stage_of(model)
     options = GraphOptions(
         dtype=config.dtype,
         # int8 / fp8 codes when quantized (kernels/kv_quant.py); None: the model's dtype.
@@ -207,8 +241,13 @@ def step_manifest(
         attention_backend=attention_backend.name,
         tensor_parallel=(f"{tensor_parallel.rank}/{tensor_parallel.world_size}" if tensor_parallel else "1"),
         quantization=config.quantization.label if config.quantization is not None else "none",
+        pipeline_stage=stage.label if stage is not None else "1",
     )
     versions = step_component_versions(
         config.fuse_linears, attention_backend, tensor_parallel, config.quantization
     )
+    if stage is not None:
+        from compiled_engine.kernels.pipeline_transfer import PIPELINE_TRANSFER_VERSION
+
+        versions = {**versions, "pipeline_transfer": PIPELINE_TRANSFER_VERSION}
     return build_manifest(model, options, config.device, versions)

@@ -15,12 +15,22 @@ from compiled_engine.kernels.source_version import source_version
 
 COLLECTIVES_VERSION = source_version(__name__)
 
+# The group the collectives run on: None is the default group (tensor parallelism alone); under
+# pipeline parallelism each stage's tensor-parallel ranks form a group of their own
+# (distributed/pipeline_stages.py sets it once, before any graph runs).
+_group: dist.ProcessGroup | None = None
+
+
+def use_tensor_parallel_group(group: dist.ProcessGroup | None) -> None:
+    global _group
+    _group = group
+
 
 @torch.library.custom_op("compiled_engine::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over every rank (a new tensor; `x` is left alone)."""
     out = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous for the collective
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=_group)
     return out
 
 
@@ -34,7 +44,7 @@ def tp_all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """Every rank's `x` concatenated along the last dim, in rank order."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x)
+    dist.all_gather(parts, x, group=_group)
     return torch.cat(parts, dim=-1)
 
 

@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMPILE_POLICY_SUITES = ("bench/test_cold_start_serving.py", "bench/test_compile_cost.py")
 # Compiles a pooling body with Inductor: slow too.
 EMBEDDING_SUITES = ("bench/test_embeddings.py",)
+# Starts pipeline-parallel engines (worker processes) and compiles every stage: slow too.
+PIPELINE_SUITES = ("bench/test_pipeline_timeline.py",)
 PROCESS_SUITES = (
     "bench/test_startup.py",
     "bench/test_step_timeline.py",
@@ -44,7 +46,7 @@ def _run_bench_smoke(tmp_path, *args: str) -> str:
 
 @pytest.mark.slow  # ~90 s of compiles and HF runs: the default run's budget
 def test_bench_suites_run_at_smoke_sizes(tmp_path):
-    ignored = (*COMPILE_POLICY_SUITES, *PROCESS_SUITES, *EMBEDDING_SUITES)
+    ignored = (*COMPILE_POLICY_SUITES, *PROCESS_SUITES, *EMBEDDING_SUITES, *PIPELINE_SUITES)
     stdout = _run_bench_smoke(tmp_path, "bench", *(f"--ignore={suite}" for suite in ignored))
     # ttft, decode and throughput on bench-small, each for ours and HF; the detokenizer, Rust and
     # transformers decode; host work per step with the null model at 1, 64 and 256 running requests;
@@ -68,6 +70,13 @@ def test_process_bench_suites_run_at_smoke_sizes(tmp_path):
     # steady loads on our eager server (its fresh-cache and vLLM rows skip); structured outputs,
     # none and half JSON; speculative decoding, none and ngram at 1 request and at a batch.
     assert "15 passed" in stdout, stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_pipeline_timeline_bench_runs_at_smoke_size(tmp_path):
+    stdout = _run_bench_smoke(tmp_path, *PIPELINE_SUITES)
+    # One process, two stages run whole, two stages in micro-batches (ours only, bench-small).
+    assert "3 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -225,7 +225,7 @@ def test_error_lines_keep_python_frames_of_the_innermost_cause():
     assert not any("frame #3" in line for line in lines)
 
 
-def test_the_default_quick_run_leaves_out_only_the_tensor_parallel_section(quick_run, tmp_path):
+def test_the_default_quick_run_leaves_out_only_the_multi_process_sections(quick_run, tmp_path):
     import torch
 
     from bench.gpu_check import Budget, parse_args, plan_sections
@@ -235,7 +235,11 @@ def test_the_default_quick_run_leaves_out_only_the_tensor_parallel_section(quick
     planned = {s.title for s in plan_sections(parse_args(["--device", "cpu", "--quick"]), torch.device("cpu"),
                                                 Budget(60.0), tmp_path)}  # fmt: skip
     run = set(re.findall(r"^### (.*)$", proc.stdout, re.MULTILINE))
-    assert planned - run == {"Tensor parallel, 2 ranks vs 1"}, (planned, run)
+    # Pipeline parallelism's section too: tests/test_pipeline_parallel.py checks the same engine.
+    assert planned - run == {"Tensor parallel, 2 ranks vs 1", "Pipeline parallel, 2 stages vs 1"}, (
+        planned,
+        run,
+    )
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ worker; the engine stays down.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from compiled_engine.distributed.process_group import TensorParallelGroup
 from compiled_engine.distributed.runner_messages import (
@@ -19,6 +19,7 @@ from compiled_engine.distributed.runner_messages import (
     LaunchStep,
     RecordOutputs,
     RemoveRequests,
+    ReportStageTimes,
     ResetAfterFailure,
     RunnerMessage,
 )
@@ -86,6 +87,15 @@ class BroadcastingRunner(Generic[LaunchedT]):
 
     def collect(self, launched: LaunchedT) -> ModelRunnerOutput:
         return self._on_every_rank(CollectStep(), lambda: self._runner.collect(launched))
+
+    def stage_times(self, reset: bool = False) -> list[Any]:
+        """Pipeline parallelism: every rank's stage times (graphs/pipeline_step_graph.py), by rank."""
+        step_graph: Any = getattr(self._runner, "step_graph", None)
+        gathered = self._on_every_rank(
+            ReportStageTimes(reset), lambda: self._group.gather(step_graph.stage_times(reset))
+        )
+        assert gathered is not None  # rank 0 gathers
+        return gathered
 
     def reset_after_failure(self) -> None:
         self._on_every_rank(ResetAfterFailure(), self._runner.reset_after_failure)

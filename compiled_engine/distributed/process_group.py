@@ -65,6 +65,12 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self._objects)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, dst=0, group=self._objects)
+        return gathered
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. KV blocks that fit on every device)."""
         tensor = torch.tensor([value], dtype=torch.int64)

@@ -49,10 +49,25 @@ class ResetAfterFailure:
 
 
 @dataclass(frozen=True)
+class ReportStageTimes:
+    """Pipeline parallelism: every rank sends rank 0 its stage's step-graph times (a gather);
+    `reset` starts them again from zero (graphs/pipeline_step_graph.py)."""
+
+    reset: bool = False
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The engine closes: leave the serving loop."""
 
 
 RunnerMessage = (
-    AddRequest | RecordOutputs | RemoveRequests | LaunchStep | CollectStep | ResetAfterFailure | Shutdown
+    AddRequest
+    | RecordOutputs
+    | RemoveRequests
+    | LaunchStep
+    | CollectStep
+    | ResetAfterFailure
+    | ReportStageTimes
+    | Shutdown
 )

@@ -25,6 +25,7 @@ from compiled_engine.distributed.runner_messages import (
     LaunchStep,
     RecordOutputs,
     RemoveRequests,
+    ReportStageTimes,
     ResetAfterFailure,
     Shutdown,
 )
@@ -76,6 +77,8 @@ def serve_runner(runner: Runner[Any], group: TensorParallelGroup) -> None:
             case ResetAfterFailure():
                 launched.clear()
                 runner.reset_after_failure()
+            case ReportStageTimes(reset=reset):
+                group.gather(runner.step_graph.stage_times(reset))  # type: ignore[attr-defined]
             case Shutdown():
                 return
             case _:

@@ -9,6 +9,8 @@ import os
 import weakref
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +18,14 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.core.engine_core import EngineCore
 from compiled_engine.core.scheduler import Scheduler, SchedulerConfig
 from compiled_engine.distributed.broadcasting_runner import BroadcastingRunner
+from compiled_engine.distributed.pipeline_stages import (
+    PipelineStage,
+    join_stage_groups,
+    leave_stage_groups,
+    slice_for_stage,
+    split_layers,
+    stage_of_rank,
+)
 from compiled_engine.distributed.process_group import RendezvousAddress
 from compiled_engine.distributed.runtime import TensorParallelRuntime
 from compiled_engine.distributed.worker_main import serve_runner
@@ -33,7 +43,7 @@ from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.graphs.inductor_warmup import InductorProbes
 from compiled_engine.kernels.weight_quantization import check_model_quantizable
-from compiled_engine.model_loader.loader import LoadedModel, load_model
+from compiled_engine.model_loader.loader import LoadedModel, _read_config, load_model
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.records.request import Request
 from compiled_engine.records.runner import Runner, RunnerTimeline
@@ -65,22 +75,26 @@ class LLMEngine:
                 "(engine/data_parallel.py); one LLMEngine is one replica"
             )
         device = args.resolve_device()
-        if device.type == "cpu" and args.cpu_reserved_cores and args.tensor_parallel_size == 1:
+        if device.type == "cpu" and args.cpu_reserved_cores and args.world_size == 1:
             # Steps use the cores left; the rest stay free for the API server and its clients,
             # which would otherwise preempt a step thread that every op then waits for.
             torch.set_num_threads(len(split_cores(args.cpu_reserved_cores).step))
         self.tensor_parallel: TensorParallelRuntime | None = None
-        if args.tensor_parallel_size > 1:
+        self.pipeline_stage: PipelineStage | None = None
+        if args.world_size > 1:
             device = self._join_tensor_parallel(args, device, _tensor_parallel_rank)
         try:
             self._build(args, device)
         except BaseException:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.abort()
+                leave_stage_groups()
             raise
         if self.tensor_parallel is not None:
             # Ends the workers when the engine is collected or the process exits.
-            self._finalizer: weakref.finalize[[], None] = weakref.finalize(self, self.tensor_parallel.close)
+            self._finalizer: weakref.finalize[[], None] = weakref.finalize(
+                self, _close_runtime, self.tensor_parallel
+            )
 
     def close(self) -> None:
         """Stop the background graph compiler and the tensor-parallel workers (if any), and leave
@@ -104,18 +118,34 @@ class LLMEngine:
     ) -> torch.device:
         """Rank 0 starts the workers (each builds its rank from `args`, pickled, with
         serve_tensor_parallel_rank); every rank joins the group. On CUDA each rank takes the device
-        of its own index."""
+        of its own index. With pipeline stages (distributed/pipeline_stages.py) the group holds
+        every stage's ranks, and each stage's tensor-parallel ranks get a group of their own."""
+        num_layers = None
+        if args.pipeline_parallel_size > 1:
+            # Before any worker starts: more stages than layers is a clear error, not P failed ranks.
+            num_layers = read_num_decoder_layers(args.resolve_model_dir())
+            split_layers(num_layers, args.pipeline_parallel_size)
         if device.type == "cuda":
             rank = 0 if rank_and_address is None else rank_and_address[0]
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         self.tensor_parallel = TensorParallelRuntime.start(
-            args.tensor_parallel_size,
+            args.world_size,
             device,
             partial(serve_tensor_parallel_rank, args),
             rank_and_address,
             launcher=args.distributed_executor_backend,
         )
+        if num_layers is not None:
+            stage = stage_of_rank(
+                self.tensor_parallel.rank, num_layers, args.pipeline_parallel_size, args.tensor_parallel_size
+            )
+            try:
+                join_stage_groups(stage)
+            except BaseException:
+                self.tensor_parallel.abort()
+                raise
+            self.pipeline_stage = stage
         return device
 
     def _build(self, args: EngineArgs, device: torch.device) -> None:
@@ -154,13 +184,17 @@ class LLMEngine:
         self._connect_stages(loaded, runner, num_kv_blocks)
 
     def _load_model(self, args: EngineArgs, device: torch.device) -> LoadedModel:
+        stage = self.pipeline_stage
         tp = self.tensor_parallel
-        return load_model(
-            args.resolve_model_dir(),
-            dtype=args.dtype,
-            device=device,
-            tensor_parallel=(tp.rank, tp.world_size) if tp else None,
+        if stage is not None:
+            tp_rank = (stage.tp_rank, stage.tp_size) if stage.tp_size > 1 else None
+        else:
+            tp_rank = (tp.rank, tp.world_size) if tp else None
+        loaded = load_model(
+            args.resolve_model_dir(), dtype=args.dtype, device=device, tensor_parallel=tp_rank
         )
+        # A pipeline stage keeps its own layers (and the embedding / the head where it has them).
+        return slice_for_stage(loaded, stage) if stage is not None else loaded
 
     def _size_kv_cache(
         self, loaded: LoadedModel, layout: KVCacheLayout, build_runner: RunnerFactory
@@ -303,6 +337,14 @@ class LLMEngine:
             num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
         )
 
+    def pipeline_stage_times(self, reset: bool = False) -> list[Any]:
+        """Pipeline parallelism: each rank's `StageTimes` (graphs/pipeline_step_graph.py: time in
+        its stage's graph computing vs waiting for other stages), by rank; `reset` zeroes them."""
+        runner = self.core.runner
+        if self.pipeline_stage is None or not isinstance(runner, BroadcastingRunner):
+            raise ValueError("pipeline_stage_times() needs an engine with pipeline_parallel_size > 1")
+        return runner.stage_times(reset)
+
     def num_free_kv_blocks(self) -> int:
         return self.core.scheduler.kv_cache_manager.num_free_blocks
 
@@ -385,14 +427,27 @@ def serve_tensor_parallel_rank(args: EngineArgs, rank: int, address: RendezvousA
     order on every rank, then apply rank 0's runner calls to it until rank 0 says stop."""
     if args.resolve_device().type == "cpu":
         # The ranks share the host's cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     engine = LLMEngine(args, _tensor_parallel_rank=(rank, address))
     tensor_parallel = engine.tensor_parallel
-    assert tensor_parallel is not None  # args.tensor_parallel_size > 1
+    assert tensor_parallel is not None  # args.world_size > 1
     try:
         serve_runner(engine.model_runner, tensor_parallel.group)
     finally:
-        tensor_parallel.group.close()
+        _close_runtime(tensor_parallel)
+
+
+def _close_runtime(runtime: TensorParallelRuntime) -> None:
+    """Leave the process group (rank 0: after ending the workers) and any stage group."""
+    leave_stage_groups()
+    runtime.close()
+
+
+def read_num_decoder_layers(model_dir: str) -> int:
+    """The decoder layers the folder's config names (for splitting them before any worker starts)."""
+    config = _read_config(Path(model_dir))
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.num_hidden_layers)
 
 
 # Unique per process: a cache salt no other request shares (see add_request).

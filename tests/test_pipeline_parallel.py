@@ -1,0 +1,248 @@
+"""Pipeline parallelism: the layer split, bad input, and 2-stage engines (alone and with 2 TP ranks
+per stage) on gloo, against the single-process engine.
+
+The engine tests start real worker processes (spawn), as `LLM(pipeline_parallel_size=2)` does for
+a user; the test process is rank 0 (stage 0).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.distributed.pipeline_stages import split_layers, stage_of_rank
+from compiled_engine.distributed.workers import TensorParallelWorkerError
+from compiled_engine.graphs.compiled_step import CompiledStep
+from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph, split_sequences
+from tests.model_factory import make_tiny_model
+
+WORKER_NAME = "compiled-engine-tp-rank"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ENGINE = dict(
+    device="cpu",
+    max_num_seqs=4,
+    max_model_len=64,
+    num_kv_blocks=48,
+    compile_buckets=(1, 2, 4),
+    enable_prefix_caching=False,
+)
+
+
+def _workers() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith(WORKER_NAME)]
+
+
+def _wait_no_workers(timeout_s: float = 20.0) -> list[multiprocessing.Process]:
+    deadline = time.monotonic() + timeout_s
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _workers()
+
+
+def _assert_nothing_left() -> None:
+    assert _wait_no_workers() == []
+    assert not dist.is_initialized()
+
+
+def _prompts(vocab: int, count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]}
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def four_layer_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny models with 4 decoder layers: 2 per stage, so a stage runs more than one layer."""
+    root = tmp_path_factory.mktemp("pp-models")
+    return {arch: str(make_tiny_model(root / arch, arch=arch, num_layers=4)) for arch in ("llama", "qwen3")}
+
+
+def _single_process_tokens(model_dir: str, prompts, params=GREEDY, **engine) -> list[tuple[int, ...]]:
+    llm = LLM(model_dir, **{**ENGINE, **engine})
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.close()
+
+
+# -- the split ------------------------------------------------------------------------------------
+
+
+def test_layers_split_into_contiguous_stages_earlier_ones_taking_the_remainder():
+    assert split_layers(4, 2) == [(0, 2), (2, 4)]
+    assert split_layers(5, 2) == [(0, 3), (3, 5)]
+    assert split_layers(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert split_layers(3, 1) == [(0, 3)]
+    # TP=2 x PP=2: ranks 0-1 are stage 0, ranks 2-3 stage 1; each talks to its peer TP rank.
+    stage = stage_of_rank(3, num_layers=4, num_stages=2, tp_size=2)
+    assert (stage.index, stage.tp_rank, stage.first_layer, stage.end_layer) == (1, 1, 2, 4)
+    assert (stage.previous_rank, stage.first_stage_rank, stage.is_last) == (1, 1, True)
+
+
+def test_a_step_splits_into_micro_batches_of_whole_sequences_about_equal_in_tokens():
+    # query_start_loc of 4 sequences of 10, 1, 1 and 8 tokens.
+    assert split_sequences([0, 10, 11, 12, 20], 2) == [(0, 1), (1, 4)]
+    assert split_sequences([0, 1, 2, 3, 4], 2) == [(0, 2), (2, 4)]
+    assert split_sequences([0, 5], 2) == [(0, 1)]  # one sequence: one micro-batch
+    assert split_sequences([0, 1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert split_sequences([0, 30, 31, 32], 3) == [(0, 1), (1, 2), (2, 3)]  # none empty
+
+
+def test_bad_pipeline_sizes_are_refused_by_name(llama_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive int, got 0"):
+        LLM(llama_dir, pipeline_parallel_size=0, **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive int, got -1"):
+        split_layers(4, -1)
+    # The tiny model has 2 decoder layers: 3 stages cannot each own one. Refused before any
+    # worker starts.
+    with pytest.raises(
+        ValueError, match="pipeline_parallel_size=3 is more than the model's 2 decoder layers"
+    ):
+        LLM(llama_dir, pipeline_parallel_size=3, enforce_eager=True, **ENGINE)
+    assert not _workers()
+    with pytest.raises(
+        ValueError, match="async_scheduling=True is not supported with pipeline_parallel_size"
+    ):
+        LLM(llama_dir, pipeline_parallel_size=2, async_scheduling=True, **ENGINE)
+    with pytest.raises(ValueError, match="compile_policy='background' is not supported with pipeline"):
+        LLM(llama_dir, pipeline_parallel_size=2, compile_policy="background", **ENGINE)
+    assert not dist.is_initialized()
+
+
+# -- engines --------------------------------------------------------------------------------------
+
+
+def test_two_stages_eager_match_one_process(llama_dir):
+    # The default run's one engine test: 2 layers, one per stage, eager (no Inductor compile).
+    prompts = _prompts(384, 6, seed=3)
+    expected = _single_process_tokens(llama_dir, prompts, enforce_eager=True)
+    llm = LLM(llama_dir, pipeline_parallel_size=2, enforce_eager=True, **ENGINE)
+    try:
+        assert len(_workers()) == 1
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outputs == expected
+        assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
+        # Stage 0 holds the first layer's KV cache only.
+        assert len(llm.engine.model_runner.kv_caches) == 1
+    finally:
+        llm.close()
+    _assert_nothing_left()
+
+
+@pytest.mark.slow  # two stages compiled by Inductor, per architecture (~1 min each on 2 cores)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_stages_compiled_match_one_process(four_layer_dirs, arch):
+    model_dir = four_layer_dirs[arch]
+    prompts = _prompts(384, 10, seed=3)
+    # A penalised request and one with prompt logprobs: the last stage's logits reach rank 0's
+    # sampler, and prompt logprobs take the dynamic graph.
+    extra = [
+        (prompts[0], SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3)),
+        (prompts[1], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)),
+    ]
+    single = LLM(model_dir, **ENGINE)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    expected_extra = [single.generate([p], s, use_tqdm=False)[0] for p, s in extra]
+    single.close()
+
+    llm = LLM(model_dir, pipeline_parallel_size=2, **ENGINE)
+    try:
+        step_graph = llm.engine.model_runner.step_graph
+        assert isinstance(step_graph, PipelineStepGraph) and isinstance(step_graph.inner, CompiledStep)
+        assert len(llm.engine.model_runner.kv_caches) == 2  # layers 0-1 of 4
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outputs == expected
+        for (prompt, params), reference in zip(extra, expected_extra, strict=True):
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+            if params.prompt_logprobs:
+                ours = [next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]]
+                theirs = [next(iter(e.values())).logprob for e in reference.prompt_logprobs[1:]]
+                assert ours == pytest.approx(theirs, abs=1e-5)
+    finally:
+        llm.close()
+    _assert_nothing_left()
+
+
+@pytest.mark.slow  # four processes (2 TP ranks x 2 stages) on 2 cores
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_two_tensor_parallel_ranks_per_stage_match_one_process(four_layer_dirs, enforce_eager):
+    model_dir = four_layer_dirs["llama"]
+    prompts = _prompts(384, 6, seed=4)
+    expected = _single_process_tokens(model_dir, prompts, enforce_eager=enforce_eager)
+    llm = LLM(
+        model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, enforce_eager=enforce_eager, **ENGINE
+    )
+    try:
+        assert len(_workers()) == 3
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outputs == expected
+    finally:
+        llm.close()
+    _assert_nothing_left()
+
+
+@pytest.mark.slow  # starts a 2-stage engine only to kill it
+def test_a_killed_stage_stops_the_engine_with_a_clear_error_and_every_process_ends(four_layer_dirs):
+    llm = LLM(four_layer_dirs["llama"], pipeline_parallel_size=2, enforce_eager=True, **ENGINE)
+    try:
+        prompts = _prompts(384, 3, seed=5)
+        assert len(llm.generate(prompts, GREEDY, use_tqdm=False)) == 3
+        (worker,) = _workers()
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(
+            TensorParallelWorkerError, match=r"rank 1 \(pid \d+\) exited with code -9 \(SIGKILL\)"
+        ):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 10
+        with pytest.raises(TensorParallelWorkerError, match="cannot run steps any more"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    _assert_nothing_left()
+
+
+@pytest.mark.slow  # a Ray test cluster of two simulated nodes, and a worker actor
+def test_two_stages_on_ray_match_one_process(llama_dir):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from tests.test_ray_replicas import _engine_actors
+
+    prompts = _prompts(384, 4, seed=6)
+    expected = _single_process_tokens(llama_dir, prompts, enforce_eager=True)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        llm = LLM(
+            llama_dir,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+            enforce_eager=True,
+            **ENGINE,
+        )
+        try:
+            assert _engine_actors("TensorParallelActor")  # stage 1 runs in a Ray actor
+            outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        finally:
+            llm.close()
+        assert outputs == expected
+        deadline = time.monotonic() + 30
+        while _engine_actors("TensorParallelActor") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _engine_actors("TensorParallelActor") == []
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert not dist.is_initialized()
