@@ -463,7 +463,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             tensor_parallel_size=self.tensor_parallel_size,
-            # Tensor-parallel ranks size their own threads (engine/llm_engine.py).
+            # Tensor- and pipeline-parallel ranks size their own threads (engine/llm_engine.py).
             cpu_reserved_cores=(self.cpu_reserved_cores or 0) if self.world_size == 1 else 0,
             speculative=self.speculative_config,
             quantization=self._resolve_quantization(device, model_config),
