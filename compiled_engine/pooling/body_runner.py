@@ -23,11 +23,12 @@ from typing import Any, cast
 import torch
 
 from compiled_engine.graphs.attention_interface import BIDIRECTIONAL_KWARG, step_attention_kwargs
-from compiled_engine.graphs.capture import CapturedModel, capture_model
+from compiled_engine.graphs.capture import CapturedModel, GraphCompiler, capture_model
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.model_loader.model_config import ModelConfig
 from compiled_engine.pooling.pooler import pool_rows, pooled_row_indices
+from compiled_engine.pooling.prefill_attention_pass import use_prefill_attention
 from compiled_engine.worker.kv_cache import allocate_kv_caches
 
 
@@ -59,11 +60,20 @@ def first_position(model: torch.nn.Module) -> int:
     return 0
 
 
-def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx
+def _graph_compiler(compiled: bool) -> GraphCompiler:
+    """What runs each captured graph: its attention rewritten to `prefill_attention`, then
+    Inductor-compiled (or, eager, the rewritten graph itself)."""
 
-    # compile_fx is typed as returning any of Inductor's outputs; given a graph it compiles it.
-    return cast("Callable[..., Any]", compile_fx(gm, list(example_inputs)))
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        use_prefill_attention(gm)
+        if not compiled:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        # compile_fx is typed as returning any of Inductor's outputs; given a graph it compiles it.
+        return cast("Callable[..., Any]", compile_fx(gm, list(example_inputs)))
+
+    return compile_graph
 
 
 class BodyRunner:
@@ -100,7 +110,7 @@ class BodyRunner:
         self.captured: CapturedModel = capture_model(
             model,
             self.kv_caches,
-            graph_compiler=_inductor if compiled else None,
+            graph_compiler=_graph_compiler(compiled),
             fuse_linears=compiled,
             attention_backend=attention_backend,
             run_model=_hidden_rows,
