@@ -25,6 +25,8 @@ paged op (compiled_engine/pooling/prefill_attention_pass.py decides).
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -86,3 +88,42 @@ def _check_inputs(
         raise ValueError(f"{query.shape[1]} query heads do not group over {key.shape[1]} key heads")
     if query_start_loc.dim() != 1:
         raise ValueError(f"query_start_loc must be [S+1], got {tuple(query_start_loc.shape)}")
+
+
+@torch.library.custom_op("compiled_engine::prefill_attention_rows", mutates_args=())
+def prefill_attention_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+) -> torch.Tensor:
+    """`prefill_attention(...)[rows]`, attending only those query rows: [K, Hq, D].
+
+    A pooling graph that reads one row per sequence (last-token or CLS pooling) needs its last
+    layer's attention only there (compiled_engine/pooling/pooled_rows_pass.py). Each row attends
+    over its own sequence's keys: up to itself when `causal`, else all of them.
+    """
+    _check_inputs(query, key, value, query_start_loc)
+    bounds = query_start_loc.tolist()
+    out = torch.empty((rows.shape[0], *query.shape[1:]), dtype=query.dtype, device=query.device)
+    group = query.shape[1] // key.shape[1]
+    for index, row in enumerate(rows.tolist()):
+        sequence = bisect.bisect_right(bounds, row) - 1
+        if not 0 <= sequence < len(bounds) - 1:
+            raise ValueError(f"row {row} is in no sequence of query_start_loc {bounds}")
+        start = bounds[sequence]
+        stop = row + 1 if causal else bounds[sequence + 1]
+        q = query[row : row + 1].transpose(0, 1).unsqueeze(0)  # [1, Hq, 1, D]
+        k = key[start:stop].transpose(0, 1).unsqueeze(0)
+        v = value[start:stop].transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
+        out[index] = attended[0, :, 0]
+    return out
+
+
+@prefill_attention_rows.register_fake
+def _prefill_attention_rows_fake(query, key, value, query_start_loc, rows, scale, causal=True):
+    return query.new_empty((rows.shape[0], *query.shape[1:]))

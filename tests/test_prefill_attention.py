@@ -1,5 +1,6 @@
-"""`prefill_attention` (pooling steps' attention, no KV cache) against the paged op, and the pooling
-graphs' rewrite onto it (compiled_engine/pooling/prefill_attention_pass.py)."""
+"""`prefill_attention` (pooling steps' attention, no KV cache) against the paged op, its `_rows`
+variant, and the pooling graphs' rewrites onto them (compiled_engine/pooling/prefill_attention_pass.py,
+pooled_rows_pass.py; the end-to-end parity with sentence-transformers is tests/test_embeddings.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def test_op_reads_strided_rows_and_zeroes_rows_past_the_last_sequence():
     torch.testing.assert_close(got[7], v[7].repeat_interleave(2, dim=0))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_op_is_the_full_op_at_those_rows(causal):
+    generator = torch.Generator().manual_seed(3)
+    lengths = [5, 19, 1, 33]
+    query, key, value, *_, starts = _step(lengths, 16, 8, 2, 16, generator)
+    full = torch.ops.compiled_engine.prefill_attention(query, key, value, starts, 0.25, causal)
+    last_rows = (starts[1:] - 1).long()  # last-token pooling
+    first_rows = starts[:-1].long()  # CLS pooling
+    for rows in (last_rows, first_rows, torch.tensor([3, 40], dtype=torch.int64)):
+        got = torch.ops.compiled_engine.prefill_attention_rows(query, key, value, starts, rows, 0.25, causal)
+        torch.testing.assert_close(got, full[rows], rtol=1e-5, atol=1e-5)
+
+
 def test_op_refuses_heads_that_do_not_group():
     q, kv = torch.zeros(3, 3, 4), torch.zeros(3, 2, 4)
     with pytest.raises(ValueError, match="3 query heads do not group over 2 key heads"):
@@ -86,10 +100,12 @@ def test_pass_keeps_the_paged_op_for_a_sliding_window():
 
 
 def test_pooling_engine_graphs_call_prefill_attention(st_qwen3_llm):
+    # Last-token pooling: the last of the body's 2 layers attends only at the pooled rows.
     st_qwen3_llm.embed(["a few words", "and a longer input of several more words"])
     graphs = st_qwen3_llm.engine.runner.captured.graphs
     assert graphs
     for gm in graphs:
-        targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-        assert torch.ops.compiled_engine.prefill_attention.default in targets
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(torch.ops.compiled_engine.prefill_attention.default) == 1
+        assert targets.count(torch.ops.compiled_engine.prefill_attention_rows.default) == 1
         assert not any("paged_attention" in str(t) for t in targets)

@@ -27,6 +27,7 @@ from compiled_engine.graphs.capture import CapturedModel, GraphCompiler, capture
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.model_loader.model_config import ModelConfig
+from compiled_engine.pooling.pooled_rows_pass import select_pooled_rows
 from compiled_engine.pooling.pooler import pool_rows, pooled_row_indices
 from compiled_engine.pooling.prefill_attention_pass import use_prefill_attention
 from compiled_engine.worker.kv_cache import allocate_kv_caches
@@ -60,12 +61,19 @@ def first_position(model: torch.nn.Module) -> int:
     return 0
 
 
-def _graph_compiler(compiled: bool) -> GraphCompiler:
-    """What runs each captured graph: its attention rewritten to `prefill_attention`, then
+# Poolings that read one row per sequence: the last layer's tail runs at those rows only.
+_ONE_ROW_POOLING = ("LAST", "CLS")
+
+
+def _graph_compiler(compiled: bool, pooling_type: str) -> GraphCompiler:
+    """What runs each captured graph: its attention rewritten to `prefill_attention` (and, for
+    last-token and CLS pooling, its last layer's tail narrowed to the pooled rows), then
     Inductor-compiled (or, eager, the rewritten graph itself)."""
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         use_prefill_attention(gm)
+        if pooling_type in _ONE_ROW_POOLING:
+            select_pooled_rows(gm)
         if not compiled:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
@@ -110,7 +118,7 @@ class BodyRunner:
         self.captured: CapturedModel = capture_model(
             model,
             self.kv_caches,
-            graph_compiler=_graph_compiler(compiled),
+            graph_compiler=_graph_compiler(compiled, pooling_type),
             fuse_linears=compiled,
             attention_backend=attention_backend,
             run_model=_hidden_rows,

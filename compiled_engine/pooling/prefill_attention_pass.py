@@ -29,12 +29,16 @@ def _paged_targets() -> set[Any]:
     import compiled_engine.kernels  # noqa: F401  (registers the ops)
 
     namespace = torch.ops.compiled_engine
-    return {getattr(namespace, name).default for name in _PAGED_OP_NAMES if hasattr(namespace, name)}
+    packets = [getattr(namespace, name) for name in _PAGED_OP_NAMES if hasattr(namespace, name)]
+    # Captured calls name the packet (the torch op as the model calls it) or, once the pipeline
+    # retargeted them, the backend op's default overload.
+    return {*packets, *(packet.default for packet in packets)}
 
 
 def _arguments(node: fx.Node) -> dict[str, Any]:
     """The call's arguments by schema name, defaults filled in (the cpu op has no `causal`)."""
-    schema = node.target._schema  # type: ignore[union-attr]
+    target: Any = node.target
+    schema = (target.default if isinstance(target, torch._ops.OpOverloadPacket) else target)._schema
     values: dict[str, Any] = {}
     for index, argument in enumerate(schema.arguments):
         if index < len(node.args):
