@@ -109,3 +109,62 @@ def test_pooling_engine_graphs_call_prefill_attention(st_qwen3_llm):
         assert targets.count(torch.ops.compiled_engine.prefill_attention.default) == 1
         assert targets.count(torch.ops.compiled_engine.prefill_attention_rows.default) == 1
         assert not any("paged_attention" in str(t) for t in targets)
+
+
+def _captured(fn, *args, rewrite=None):
+    """`fn` run through Dynamo (dynamic shapes, traced values on the nodes, as pooling graphs are),
+    its graph given to `rewrite` first; returns (the graph, the result, the rewrite's result)."""
+    seen: dict = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"] = gm
+        seen["result"] = rewrite(gm) if rewrite else None
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)(*args)
+    return seen["gm"], out, seen["result"]
+
+
+def _tail_inputs():
+    generator = torch.Generator().manual_seed(4)
+    query, key, value, *_, starts = _step([6, 11, 3], 16, 4, 2, 8, generator)
+    residual = torch.randn(query.shape[0], 32, generator=generator)
+    weight = torch.randn(32, 32, generator=generator)
+    rows = (starts[1:] - 1).long()
+    return query, key, value, starts, rows, residual, weight
+
+
+def _row_wise_tail(query, key, value, starts, rows, residual, weight):
+    out = torch.ops.compiled_engine.prefill_attention(query, key, value, starts, 0.5, True)
+    hidden = residual + torch.nn.functional.linear(out.reshape(out.shape[0], -1), weight)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return hidden.index_select(0, rows)
+
+
+def _mixing_tail(query, key, value, starts, rows, residual, weight):
+    out = torch.ops.compiled_engine.prefill_attention(query, key, value, starts, 0.5, True)
+    hidden = residual + torch.cumsum(out.reshape(out.shape[0], -1), 0)  # mixes rows
+    return hidden.index_select(0, rows)
+
+
+def test_pooled_rows_pass_narrows_a_row_wise_tail_and_keeps_the_result():
+    from compiled_engine.pooling.pooled_rows_pass import select_pooled_rows
+
+    inputs = _tail_inputs()
+    gm, got, result = _captured(_row_wise_tail, *inputs, rewrite=select_pooled_rows)
+    assert result.nodes_rewritten > 0, result.notes
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.compiled_engine.prefill_attention_rows.default in targets
+    assert torch.ops.compiled_engine.prefill_attention.default not in targets
+    torch.testing.assert_close(got, _row_wise_tail(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_pooled_rows_pass_keeps_a_tail_that_mixes_rows():
+    from compiled_engine.pooling.pooled_rows_pass import select_pooled_rows
+
+    inputs = _tail_inputs()
+    _, got, result = _captured(_mixing_tail, *inputs, rewrite=select_pooled_rows)
+    assert result.nodes_rewritten == 0
+    assert "is not known to be row-wise" in result.notes[0]
+    torch.testing.assert_close(got, _mixing_tail(*inputs))

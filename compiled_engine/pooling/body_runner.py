@@ -2,10 +2,14 @@
 
 The body (`Qwen3Model`, ...) is captured exactly as a generation model is (graphs/capture.py:
 traced by Dynamo, every attention the paged-attention op), with `run_model` asking for its last
-hidden states at the rows the pooler reads instead of logits. A pooling request owns no KV
-blocks: the paged op still writes each step's keys and values before attending, so the runner
-keeps one small scratch cache, just big enough for one step at the token budget, and lays every
-step's inputs out from block 0 again (nothing outlives the step; nothing is ever freed).
+hidden states at the rows the pooler reads instead of logits. Before each graph runs (or is
+compiled), two pooling-only rewrites: every attention call becomes `prefill_attention`, flash
+SDPA per sequence over the step's own keys and values with no cache
+(prefill_attention_pass.py), and with last-token or CLS pooling the last layer's tail runs only at
+the pooled rows (pooled_rows_pass.py). A pooling request owns no KV blocks; the runner still keeps
+one small scratch cache, just big enough for one step at the token budget, for the graph's inputs
+and for any layer the first rewrite leaves on the paged op (a sliding window or soft-capping),
+and lays every step's inputs out from block 0 again (nothing outlives the step).
 
 Encoder bodies (BERT, RoBERTa, XLM-R) run the same way: their attention layers are not causal, and
 the step tells the attention function so (`ce_bidirectional`), which calls the op with

@@ -114,11 +114,8 @@ def select_pooled_rows(gm: fx.GraphModule) -> PassResult:
     hidden, _, rows = select.args
     if not isinstance(hidden, fx.Node) or not isinstance(rows, fx.Node):
         return _refuse("the selection's operands are not graph values")
-    attention = [
-        n
-        for n in graph.nodes
-        if n.op == "call_function" and n.target is torch.ops.compiled_engine.prefill_attention.default
-    ]
+    packet = torch.ops.compiled_engine.prefill_attention
+    attention = [n for n in graph.nodes if n.op == "call_function" and n.target in (packet, packet.default)]
     if not attention:
         return _refuse("no prefill_attention call")
     last = attention[-1]
