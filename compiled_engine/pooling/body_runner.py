@@ -2,10 +2,14 @@
 
 The body (`Qwen3Model`, ...) is captured exactly as a generation model is (graphs/capture.py:
 traced by Dynamo, every attention the paged-attention op), with `run_model` asking for its last
-hidden states at the rows the pooler reads instead of logits. A pooling request owns no KV
-blocks: the paged op still writes each step's keys and values before attending, so the runner
-keeps one small scratch cache, just big enough for one step at the token budget, and lays every
-step's inputs out from block 0 again (nothing outlives the step; nothing is ever freed).
+hidden states at the rows the pooler reads instead of logits. Before each graph runs (or is
+compiled), two pooling-only rewrites: every attention call becomes `prefill_attention`, flash
+SDPA per sequence over the step's own keys and values with no cache
+(prefill_attention_pass.py), and with last-token or CLS pooling the last layer's tail runs only at
+the pooled rows (pooled_rows_pass.py). A pooling request owns no KV blocks; the runner still keeps
+one small scratch cache, just big enough for one step at the token budget, for the graph's inputs
+and for any layer the first rewrite leaves on the paged op (a sliding window or soft-capping),
+and lays every step's inputs out from block 0 again (nothing outlives the step).
 
 Encoder bodies (BERT, RoBERTa, XLM-R) run the same way: their attention layers are not causal, and
 the step tells the attention function so (`ce_bidirectional`), which calls the op with
@@ -23,11 +27,13 @@ from typing import Any, cast
 import torch
 
 from compiled_engine.graphs.attention_interface import BIDIRECTIONAL_KWARG, step_attention_kwargs
-from compiled_engine.graphs.capture import CapturedModel, capture_model
+from compiled_engine.graphs.capture import CapturedModel, GraphCompiler, capture_model
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.model_loader.model_config import ModelConfig
+from compiled_engine.pooling.pooled_rows_pass import select_pooled_rows
 from compiled_engine.pooling.pooler import pool_rows, pooled_row_indices
+from compiled_engine.pooling.prefill_attention_pass import use_prefill_attention
 from compiled_engine.worker.kv_cache import allocate_kv_caches
 
 
@@ -59,11 +65,27 @@ def first_position(model: torch.nn.Module) -> int:
     return 0
 
 
-def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx
+# Poolings that read one row per sequence: the last layer's tail runs at those rows only.
+_ONE_ROW_POOLING = ("LAST", "CLS")
 
-    # compile_fx is typed as returning any of Inductor's outputs; given a graph it compiles it.
-    return cast("Callable[..., Any]", compile_fx(gm, list(example_inputs)))
+
+def _graph_compiler(compiled: bool, pooling_type: str) -> GraphCompiler:
+    """What runs each captured graph: its attention rewritten to `prefill_attention` (and, for
+    last-token and CLS pooling, its last layer's tail narrowed to the pooled rows), then
+    Inductor-compiled (or, eager, the rewritten graph itself)."""
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        use_prefill_attention(gm)
+        if pooling_type in _ONE_ROW_POOLING:
+            select_pooled_rows(gm)
+        if not compiled:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        # compile_fx is typed as returning any of Inductor's outputs; given a graph it compiles it.
+        return cast("Callable[..., Any]", compile_fx(gm, list(example_inputs)))
+
+    return compile_graph
 
 
 class BodyRunner:
@@ -100,7 +122,7 @@ class BodyRunner:
         self.captured: CapturedModel = capture_model(
             model,
             self.kv_caches,
-            graph_compiler=_inductor if compiled else None,
+            graph_compiler=_graph_compiler(compiled, pooling_type),
             fuse_linears=compiled,
             attention_backend=attention_backend,
             run_model=_hidden_rows,
