@@ -318,8 +318,10 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_exit_if_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
         from compiled_engine.engine.llm_engine import LLMEngine
+        from compiled_engine.engine.startup_heap import freeze_startup_heap
 
         engine = LLMEngine(serving_defaults(args))
+        freeze_startup_heap()  # no collector pass over the start-up heap mid-stream
         config = engine.config
         conn.send(EngineReady(config.max_model_len, config.model_dir, engine.tokenizer, engine.stats()))
         serve_engine(engine, conn)

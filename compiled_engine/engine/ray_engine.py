@@ -78,8 +78,10 @@ class EngineActor:
     def _run(self, args: EngineArgs) -> None:
         try:
             from compiled_engine.engine.llm_engine import LLMEngine
+            from compiled_engine.engine.startup_heap import freeze_startup_heap
 
             engine = LLMEngine(serving_defaults(args))
+            freeze_startup_heap()  # the actor's process is ours alone (engine/startup_heap.py)
             config = engine.config
             self._conn.send(
                 EngineReady(config.max_model_len, config.model_dir, engine.tokenizer, engine.stats())

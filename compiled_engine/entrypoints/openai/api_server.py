@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_engine.engine.async_llm import AsyncLLM
 from compiled_engine.engine.data_parallel import DataParallelAsyncLLM, replica_args, replica_starter
+from compiled_engine.engine.startup_heap import freeze_startup_heap
 from compiled_engine.engine_args import DEFAULT_MAX_REQUEST_BYTES, ServerArgs
 from compiled_engine.entrypoints.openai.errors import OpenAIError, bad_request, error_response
 from compiled_engine.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -223,6 +224,7 @@ def run_server(args: ServerArgs) -> int:
     )
     config = uvicorn.Config(app, log_level="info", timeout_keep_alive=5)
     server = uvicorn.Server(config)
+    freeze_startup_heap()  # no collector pass over the start-up heap mid-stream
     print(
         f"compiled-engine: serving {', '.join(names)} on http://{args.host}:{sock.getsockname()[1]}",
         flush=True,
@@ -248,6 +250,7 @@ def _serve_pooling_model(args: ServerArgs, sock: socket.socket, names: Sequence[
         max_request_bytes=args.max_request_bytes,
     )
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5))
+    freeze_startup_heap()
     print(
         f"compiled-engine: serving {', '.join(names)} (embeddings) on "
         f"http://{args.host}:{sock.getsockname()[1]}",
