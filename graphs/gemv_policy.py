@@ -295,8 +295,14 @@ class GemvDecision:
         """Whether a graph run at exactly `rows` rows should run its quantized linears on the C++ GEMV."""
         return rows in self.quantized_kernel_rows
 
-    def runs_quantized_tiles(self, rows: int) -> bool:
-        """Whether a graph run at exactly `rows` rows should run its quantized linears on the tile path."""
+    def runs_quantized_tiles(self, rows: int | None) -> bool:
+        """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should run its
+        quantized linears on the tile path. The dynamic graph runs the steps larger than every
+        bucket, where the tiles' lead over torch's kernels only grows (they read the integers once
+        per call, torch's int8 kernel ~9x slower than them at 64 rows already): it takes them
+        wherever the policy found them winning at all."""
+        if rows is None:
+            return bool(self.quantized_tile_rows)
         return rows in self.quantized_tile_rows
 
     def packs(self, rows: int | None) -> bool:

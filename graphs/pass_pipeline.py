@@ -80,8 +80,9 @@ def runs_quantized_gemv_kernel(target: BucketTarget) -> bool:
 
 
 def runs_quantized_tiles(target: BucketTarget) -> bool:
-    """The policy measured the kernel's int8/int4 tile path fastest at this bucket (many rows)."""
-    return target.bucket is not None and target.linears.runs_quantized_tiles(target.bucket)
+    """The policy measured the kernel's int8/int4 tile path fastest at this bucket (many rows),
+    or, for the dynamic graph (steps past every bucket), at any bucket."""
+    return target.linears.runs_quantized_tiles(target.bucket)
 
 
 def inlines_attention(target: BucketTarget) -> bool:

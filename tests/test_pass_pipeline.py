@@ -115,3 +115,14 @@ KERNEL_LINEARS = GemvDecision(lowered_rows=(2,), kernel_rows=(1, 2), packed_rows
 )
 def test_the_cpu_gemv_runs_where_the_policy_chose_it(bucket, device, backend, expected) -> None:
     assert _ran(BucketTarget(bucket, MAX_SEQS, device, backend, KERNEL_LINEARS)) == expected
+
+
+def test_the_dynamic_graph_takes_the_quantized_tiles_where_the_policy_found_them_winning() -> None:
+    # Steps past every bucket run the dynamic graph: left on torch's int8/int4 kernels, a
+    # 1,024-token prefill of the 0.5B shape took ~7x bf16's time (docs/performance.md).
+    tiles = GemvDecision((), quantized_kernel_rows=(1,), quantized_tile_rows=(16, 64))
+    assert "cpu_gemm_quantized" in _ran(BucketTarget(None, MAX_SEQS, "cpu", "cpu", tiles))
+    assert "cpu_gemm_quantized" in _ran(BucketTarget(64, MAX_SEQS, "cpu", "cpu", tiles))
+    assert "cpu_gemm_quantized" not in _ran(BucketTarget(1, MAX_SEQS, "cpu", "cpu", tiles))
+    no_tiles = GemvDecision((), quantized_kernel_rows=(1,))  # e.g. a CPU without AMX
+    assert "cpu_gemm_quantized" not in _ran(BucketTarget(None, MAX_SEQS, "cpu", "cpu", no_tiles))
