@@ -325,8 +325,12 @@ class CompiledStep:
         ran = graph if isinstance(graph, str) else graph_label(graph)
         self.last_call = GraphCall(graph_label(wanted), ran, waited, wait_s)
         width = inputs.block_tables.shape[1]
-        if isinstance(graph, int):
-            shape = bucket_shape(graph, self.max_num_seqs)
+        # The eager fallback runs at its bucket's shape too: a cold engine's steps then show the
+        # eager ops a dozen shapes, not one per token count, so their per-shape set-up (oneDNN
+        # primitives, allocator growth) is paid a dozen times, not at every new step size.
+        shaped = graph if isinstance(graph, int) else wanted if graph == EAGER else None
+        if isinstance(shaped, int):
+            shape = bucket_shape(shaped, self.max_num_seqs)
             padded = pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, width)
         else:
             padded = pad_step(
