@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 import torch
 
@@ -672,17 +672,13 @@ def tensor_parallel_section(
     """Greedy outputs of tensor_parallel_size=2 against one rank (compiled), on NCCL or gloo."""
 
     def run(report: Report) -> None:
-        from compiled_engine import LLM, SamplingParams
+        from compiled_engine import LLM
 
         if device.type == "cuda" and torch.cuda.device_count() < 2:
             report.line(f"- skipped: TP=2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
             return
         model = models[0]
-        prompts = [
-            {"prompt_token_ids": p} for p in random_prompts(_vocab_size(model.path), 4 if quick else 16)
-        ]
-        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        buckets = QUICK_COMPILE_BUCKETS if quick else COMPILE_BUCKETS
+        prompts, params, buckets = _two_size_parity_inputs(model, quick)
         outputs = {}
         # A compile cache of its own: the sections after this one time cold compiles.
         with tempfile.TemporaryDirectory(prefix="gpu-check-tp-cache-") as cache_dir:
@@ -703,12 +699,7 @@ def tensor_parallel_section(
                 seconds = time.perf_counter() - started
                 report.line(f"- {model.label} fp32 compiled, TP={size}: start + generate {seconds:.1f} s")
                 del llm
-        same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
-        report.line(f"- TP=2 vs TP=1: {same} of {len(prompts)} prompts identical")
-        if same != len(prompts):
-            raise AssertionError(
-                f"TP=2 greedy outputs differ from one rank's in {len(prompts) - same} prompts"
-            )
+        _require_identical(report, "TP", "one rank's", outputs)
 
     return run
 
@@ -720,17 +711,13 @@ def pipeline_parallel_section(
     process, on NCCL or gloo, and each stage's busy share of the generate call."""
 
     def run(report: Report) -> None:
-        from compiled_engine import LLM, SamplingParams
+        from compiled_engine import LLM
 
         if device.type == "cuda" and torch.cuda.device_count() < 2:
             report.line(f"- skipped: PP=2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
             return
         model = models[0]
-        prompts = [
-            {"prompt_token_ids": p} for p in random_prompts(_vocab_size(model.path), 4 if quick else 16)
-        ]
-        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        buckets = QUICK_COMPILE_BUCKETS if quick else COMPILE_BUCKETS
+        prompts, params, buckets = _two_size_parity_inputs(model, quick)
         outputs = {}
         with tempfile.TemporaryDirectory(prefix="gpu-check-pp-cache-") as cache_dir:
             for size in (1, 2):
@@ -760,14 +747,28 @@ def pipeline_parallel_section(
                 seconds = time.perf_counter() - started
                 report.line(f"- {model.label} fp32 compiled, PP={size}: start + generate {seconds:.1f} s")
                 del llm
-        same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
-        report.line(f"- PP=2 vs PP=1: {same} of {len(prompts)} prompts identical")
-        if same != len(prompts):
-            raise AssertionError(
-                f"PP=2 greedy outputs differ from one process's in {len(prompts) - same} prompts"
-            )
+        _require_identical(report, "PP", "one process's", outputs)
 
     return run
+
+
+def _two_size_parity_inputs(model: ParityModel, quick: bool) -> tuple[list[dict], Any, tuple[int, ...]]:
+    """The prompts, greedy sampling settings and buckets the TP and PP sections run at size 1 and 2."""
+    from compiled_engine import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(_vocab_size(model.path), 4 if quick else 16)]
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return prompts, params, QUICK_COMPILE_BUCKETS if quick else COMPILE_BUCKETS
+
+
+def _require_identical(report: Report, kind: str, baseline: str, outputs: dict[int, list]) -> None:
+    """Report how many of size 2's greedy outputs equal size 1's; any difference fails the check."""
+    same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
+    report.line(f"- {kind}=2 vs {kind}=1: {same} of {len(outputs[1])} prompts identical")
+    if same != len(outputs[1]):
+        raise AssertionError(
+            f"{kind}=2 greedy outputs differ from {baseline} in {len(outputs[1]) - same} prompts"
+        )
 
 
 def _format_compile_seconds(seconds: dict[int | None, float]) -> str:
