@@ -48,7 +48,7 @@ from bench.serving_harness import (
 from bench.workloads import BenchRequest, mixed_requests
 
 # Variants: the server's compile policy and any extra flags. "background-chunked" also caps the
-# prompt tokens per step (`--long-prefill-token-threshold`, 32; "-64" at 64), so new prompts
+# prompt tokens per step (`--long-prefill-token-threshold`, 32; "-64" and "-16" at those), so new prompts
 # lengthen the steps of the streams already decoding by at most that many tokens. The
 # "-all-cores" ones give the step every core (`--cpu-reserved-cores 0`) instead of leaving one
 # to the API server and the client: the baseline of that default. Each is the same path as
@@ -58,6 +58,7 @@ VARIANTS = {
     "blocking": ("blocking", ()),
     "background-chunked": ("background", ("--long-prefill-token-threshold", "32")),
     "background-chunked-64": ("background", ("--long-prefill-token-threshold", "64")),
+    "background-chunked-16": ("background", ("--long-prefill-token-threshold", "16")),
     "background-all-cores": ("background", ("--cpu-reserved-cores", "0")),
     "background-chunked-all-cores": (
         "background",

@@ -2,8 +2,8 @@
 //
 // Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
 // through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops that
-// the compiler vectorises for whatever ISA the machine has, and AVX-512 (with VNNI for int8 keys)
-// block loops for head dims of 16s (block_scores, block_values below).
+// the compiler vectorises for whatever ISA the machine has, and SIMD block loops (block_scores,
+// block_values below) for head dims of 16s with AVX-512 (VNNI for int8 keys), or of 8s with AVX2.
 //
 // The cache holds the query's dtype, or quantized rows (kernels/kv_quant.py): int8 or fp8 e4m3
 // codes, then the row's float32 scale. Reading one costs a code widened to float per element and
@@ -24,9 +24,15 @@
 #include <type_traits>
 #include <vector>
 
+// The library is built with -march=native, so these compile-time checks are the machine's.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define CE_ATTENTION_AVX512 1
+#define CE_ATTENTION_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CE_ATTENTION_AVX2 1
+#define CE_ATTENTION_SIMD 1
 #endif
 
 namespace {
@@ -116,38 +122,118 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+#ifdef CE_ATTENTION_SIMD
+// One register of float lanes (`Vec`, kLanes wide) and the few operations the loops below use,
+// for AVX-512 (16 lanes) or AVX2 (8), so the block loops are written once. GCC left the widening
+// of int8 and fp8 codes partly scalar and reduced each dot lane by lane; here a register of
+// values is widened in a few instructions and each dot ends in one tree reduction. Elsewhere:
+// the plain loops below.
 #ifdef CE_ATTENTION_AVX512
-// The inner loops over a head's D values for head dims of 16s, with AVX-512 (the library is built
-// with -march=native, so the compile-time check is the machine's). GCC left the widening of int8
-// and fp8 codes partly scalar and reduced each dot lane by lane; here 16 values are widened in a
-// few instructions and each dot ends in one tree reduction. Elsewhere: the plain loops below.
-inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen16(const uint16_t* p) {  // bfloat16: the high half of a float's bits
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec v_zero() { return _mm512_setzero_ps(); }
+inline Vec v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void v_store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec v_set1(float x) { return _mm512_set1_ps(x); }
+inline Vec v_mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec v_fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float v_sum(Vec v) { return _mm512_reduce_add_ps(v); }
+// The first m lanes of v to p (m <= kLanes).
+inline void v_store_first(float* p, Vec v, int64_t m) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << m) - 1u), v);
+}
+
+inline Vec widen(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec widen(const uint16_t* p) {  // bfloat16: the high half of a float's bits
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-inline __m512 widen16(const _Float16* p) {
+inline Vec widen(const _Float16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 widen16(const int8_t* p) {
+inline Vec widen(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m512 widen16(const uint8_t* p) {  // fp8 e4m3 -> float16 bits (load()'s trick) -> float
+inline Vec widen(const uint8_t* p) {  // fp8 e4m3 -> float16 bits (load()'s trick) -> float
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
                                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
   return _mm512_cvtph_ps(half);
 }
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: a transpose-add tree, ~3 instructions a dot
+// where a reduction each takes ~8.
+inline Vec reduce_lanes(const Vec* v) {
+  __m512 c[8], d[4], e[2];
+  for (int k = 0; k < 8; ++k)  // 512 -> 256: v[2k]'s 8 partials in the low half, v[2k + 1]'s high
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane L: 4 partials of slot 4k + L
+    d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // lane L: 2 partials each of slots 8k + L and 8k + 4 + L
+    e[k] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * k], d[2 * k + 1]), _mm512_unpackhi_ps(d[2 * k], d[2 * k + 1]));
+  const __m512d e0 = _mm512_castps_pd(e[0]), e1 = _mm512_castps_pd(e[1]);
+  // Lane L: slots L, 4 + L, 8 + L, 12 + L; then into slot order.
+  const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(e0, e1)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(e0, e1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+#else  // AVX2 + FMA + F16C
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec v_zero() { return _mm256_setzero_ps(); }
+inline Vec v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void v_store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec v_set1(float x) { return _mm256_set1_ps(x); }
+inline Vec v_mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec v_fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float v_sum(Vec v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline void v_store_first(float* p, Vec v, int64_t m) {
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, v);
+  for (int64_t j = 0; j < m; ++j) p[j] = lanes[j];
+}
+
+inline Vec widen(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec widen(const uint16_t* p) {  // bfloat16: the high half of a float's bits
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Vec widen(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec widen(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec widen(const uint8_t* p) {  // fp8 e4m3 -> float16 bits (load()'s trick) -> float
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                    _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(half);
+}
+
+// Lane j of the result = the sum of v[j]'s 8 lanes: two rounds of pairwise adds, then the two
+// 128-bit halves of the partial sums added together.
+inline Vec reduce_lanes(const Vec* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
 #endif
 
 // sum_d q[d] * load(row, d): over D values, or kHeadDim when it is a compile-time head dim.
 template <typename C, int kHeadDim>
 inline float dot_row(const float* q, const C* row, int64_t D) {
-#ifdef CE_ATTENTION_AVX512
-  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < kHeadDim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(row + d), acc);
-    return _mm512_reduce_add_ps(acc);
+#ifdef CE_ATTENTION_SIMD
+  if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+    Vec acc = v_zero();
+    for (int64_t d = 0; d < kHeadDim; d += kLanes) acc = v_fmadd(v_load(q + d), widen(row + d), acc);
+    return v_sum(acc);
   }
 #endif
   float s = 0.0f;
@@ -159,12 +245,10 @@ inline float dot_row(const float* q, const C* row, int64_t D) {
 // acc[d] += w * load(row, d).
 template <typename C, int kHeadDim>
 inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
-#ifdef CE_ATTENTION_AVX512
-  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-    const __m512 weight = _mm512_set1_ps(w);
-    for (int64_t d = 0; d < kHeadDim; d += 16) {
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(weight, widen16(row + d), _mm512_loadu_ps(acc + d)));
-    }
+#ifdef CE_ATTENTION_SIMD
+  if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+    const Vec weight = v_set1(w);
+    for (int64_t d = 0; d < kHeadDim; d += kLanes) v_store(acc + d, v_fmadd(weight, widen(row + d), v_load(acc + d)));
     return;
   }
 #endif
@@ -238,69 +322,50 @@ inline float row_scale(const C* row, int64_t scale_offset) {
   return scale * code_unit<C>();
 }
 
-#ifdef CE_ATTENTION_AVX512
-// One block's keys and values for the query heads of one KV head, 16 slots at a time: each row is
-// widened once for all the group's query heads (not once per query head), and the 16 dots of a
-// head end in one transpose-add tree (`reduce16`, ~3 instructions a dot where a reduction each
-// takes ~8). On a quantized cache the per-element work is what bounds the read, not the bytes
-// (int8 rows are half of bf16's), so this is where an int8 cache gains its speed.
+#ifdef CE_ATTENTION_SIMD
+// One block's keys and values for the query heads of one KV head, kLanes slots at a time: each
+// row is widened once for all the group's query heads (not once per query head), and the kLanes
+// dots of a head end in one transpose-add tree (`reduce_lanes`). On a quantized cache the
+// per-element work is what bounds the read, not the bytes (int8 rows are half of bf16's), so this
+// is where an int8 cache gains its speed.
 constexpr int64_t kFastGroup = 8;  // query heads per KV head the fast path keeps partial dots for
-
-// Lane j of the result = the sum of v[j]'s 16 lanes.
-inline __m512 reduce16(const __m512* v) {
-  __m512 c[8], d[4], e[2];
-  for (int k = 0; k < 8; ++k)  // 512 -> 256: v[2k]'s 8 partials in the low half, v[2k + 1]'s high
-    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)  // 128-bit lane L: 4 partials of slot 4k + L
-    d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)  // lane L: 2 partials each of slots 8k + L and 8k + 4 + L
-    e[k] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * k], d[2 * k + 1]), _mm512_unpackhi_ps(d[2 * k], d[2 * k + 1]));
-  const __m512d e0 = _mm512_castps_pd(e[0]), e1 = _mm512_castps_pd(e[1]);
-  // Lane L: slots L, 4 + L, 8 + L, 12 + L; then into slot order.
-  const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(e0, e1)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(e0, e1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, f);
-}
 
 // scores[g * bs + j] = q_g . row_j (times row_j's scale when quantized) for j < n, g < group.
 template <typename C, int kHeadDim, bool kQuantized>
 void block_scores(const float* q, int64_t group, const C* first_row, int64_t stride_slot, int64_t n,
                   int64_t scale_offset, float* scores, int64_t bs) {
-  constexpr int kChunks = kHeadDim / 16;
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - j0);
-    __m512 part[kFastGroup][16];
-    alignas(64) float key_scale[16];
-    for (int64_t j = 0; j < 16; ++j) {
+  constexpr int kChunks = kHeadDim / kLanes;
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - j0);
+    Vec part[kFastGroup][kLanes];
+    alignas(64) float key_scale[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
       if (j >= m) {
-        for (int64_t g = 0; g < group; ++g) part[g][j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < group; ++g) part[g][j] = v_zero();
         key_scale[j] = 0.0f;
         continue;
       }
       const C* row = first_row + (j0 + j) * stride_slot;
-      __m512 w[kChunks];
-      for (int c = 0; c < kChunks; ++c) w[c] = widen16(row + 16 * c);
+      Vec w[kChunks];
+      for (int c = 0; c < kChunks; ++c) w[c] = widen(row + kLanes * c);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * kHeadDim;
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), w[0]);
-        for (int c = 1; c < kChunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), w[c], sum);
+        Vec sum = v_mul(v_load(qg), w[0]);
+        for (int c = 1; c < kChunks; ++c) sum = v_fmadd(v_load(qg + kLanes * c), w[c], sum);
         part[g][j] = sum;
       }
       if constexpr (kQuantized) key_scale[j] = row_scale(row, scale_offset);
     }
-    const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1u);
     for (int64_t g = 0; g < group; ++g) {
-      __m512 s = reduce16(part[g]);
-      if constexpr (kQuantized) s = _mm512_mul_ps(s, _mm512_load_ps(key_scale));
-      _mm512_mask_storeu_ps(scores + g * bs + j0, keep, s);
+      Vec s = reduce_lanes(part[g]);
+      if constexpr (kQuantized) s = v_mul(s, v_load(key_scale));
+      v_store_first(scores + g * bs + j0, s, m);
     }
   }
 }
+#endif
 
-#ifdef __AVX512VNNI__
+#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
 // int8 keys against a query in int16 (bf16 / fp16 queries only): q16 = round(q / qscale), qscale =
 // max|q| / 32767 per query head, so the query's rounding (2^-16 of its largest value) stays far
 // below the bf16 / fp16 rounding it arrived with. vpdpwssd sums 32 code x query products a
@@ -336,7 +401,7 @@ void block_scores_int8(const int16_t* q16, const float* qscale, int64_t group, c
     const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1u);
     const __m512 ks = _mm512_load_ps(key_scale);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(reduce16(part[g]), ks), _mm512_set1_ps(qscale[g]));
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(reduce_lanes(part[g]), ks), _mm512_set1_ps(qscale[g]));
       _mm512_mask_storeu_ps(scores + g * bs + j0, keep, s);
     }
   }
@@ -355,48 +420,58 @@ inline void quantize_query(const float* q, int64_t heads, int64_t D, int16_t* q1
 }
 #endif
 
+#ifdef CE_ATTENTION_SIMD
 // block_values with the group's accumulators in registers (kGroup query heads a KV head).
 template <typename C, int kHeadDim, bool kQuantized, int kGroup>
 void block_values_fixed(float* acc, const float* weights, int64_t bs, const C* first_row, int64_t stride_slot,
                         int64_t n, int64_t scale_offset) {
-  constexpr int kChunks = kHeadDim / 16;
-  __m512 a[kGroup][kChunks];
+  constexpr int kChunks = kHeadDim / kLanes;
+  Vec a[kGroup][kChunks];
   for (int g = 0; g < kGroup; ++g)
-    for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * kHeadDim + 16 * c);
+    for (int c = 0; c < kChunks; ++c) a[g][c] = v_load(acc + g * kHeadDim + kLanes * c);
   for (int64_t j = 0; j < n; ++j) {
     const C* row = first_row + j * stride_slot;
-    __m512 w[kChunks];
-    for (int c = 0; c < kChunks; ++c) w[c] = widen16(row + 16 * c);
+    Vec w[kChunks];
+    for (int c = 0; c < kChunks; ++c) w[c] = widen(row + kLanes * c);
     float value_scale = 1.0f;
     if constexpr (kQuantized) value_scale = row_scale(row, scale_offset);
     for (int g = 0; g < kGroup; ++g) {
-      const __m512 weight = _mm512_set1_ps(weights[g * bs + j] * value_scale);
-      for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_fmadd_ps(weight, w[c], a[g][c]);
+      const Vec weight = v_set1(weights[g * bs + j] * value_scale);
+      for (int c = 0; c < kChunks; ++c) a[g][c] = v_fmadd(weight, w[c], a[g][c]);
     }
   }
   for (int g = 0; g < kGroup; ++g)
-    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * kHeadDim + 16 * c, a[g][c]);
+    for (int c = 0; c < kChunks; ++c) v_store(acc + g * kHeadDim + kLanes * c, a[g][c]);
 }
+
+// Accumulator registers block_values_fixed may keep (half the register file: the rest holds the
+// widened row and the weight).
+constexpr int kAccumulators = kLanes == 16 ? 16 : 8;
 
 // acc[g * kHeadDim + d] += weights[g * bs + j] * row_j[d] (times row_j's scale when quantized).
 template <typename C, int kHeadDim, bool kQuantized>
 void block_values(float* acc, int64_t group, const float* weights, int64_t bs, const C* first_row,
                   int64_t stride_slot, int64_t n, int64_t scale_offset) {
-  constexpr int kChunks = kHeadDim / 16;
-  if (group == 1) return block_values_fixed<C, kHeadDim, kQuantized, 1>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
-  if (group == 2) return block_values_fixed<C, kHeadDim, kQuantized, 2>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
-  if (group == 4 && kChunks <= 4) return block_values_fixed<C, kHeadDim, kQuantized, 4>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  constexpr int kChunks = kHeadDim / kLanes;
+  if constexpr (kChunks <= kAccumulators) {
+    if (group == 1) return block_values_fixed<C, kHeadDim, kQuantized, 1>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  }
+  if constexpr (2 * kChunks <= kAccumulators) {
+    if (group == 2) return block_values_fixed<C, kHeadDim, kQuantized, 2>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  }
+  if constexpr (4 * kChunks <= kAccumulators) {
+    if (group == 4) return block_values_fixed<C, kHeadDim, kQuantized, 4>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+  }
   for (int64_t j = 0; j < n; ++j) {
     const C* row = first_row + j * stride_slot;
-    __m512 w[kChunks];
-    for (int c = 0; c < kChunks; ++c) w[c] = widen16(row + 16 * c);
+    Vec w[kChunks];
+    for (int c = 0; c < kChunks; ++c) w[c] = widen(row + kLanes * c);
     float value_scale = 1.0f;
     if constexpr (kQuantized) value_scale = row_scale(row, scale_offset);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 weight = _mm512_set1_ps(weights[g * bs + j] * value_scale);
+      const Vec weight = v_set1(weights[g * bs + j] * value_scale);
       float* ag = acc + g * kHeadDim;
-      for (int c = 0; c < kChunks; ++c)
-        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(weight, w[c], _mm512_loadu_ps(ag + 16 * c)));
+      for (int c = 0; c < kChunks; ++c) v_store(ag + kLanes * c, v_fmadd(weight, w[c], v_load(ag + kLanes * c)));
     }
   }
 }
@@ -514,10 +589,10 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     const int64_t n = stop - start;
     const int64_t first_slot = block_offset(column) + (start - column * bs) * pb.stride_slot;
     const int64_t ahead = column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
-    bool fast = false;  // the AVX-512 block loops below ran (head dims of 16s, small groups)
+    bool fast = false;  // the SIMD block loops below ran (head dims of kLanes' multiples, small groups)
 
-#ifdef CE_ATTENTION_AVX512
-    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+#ifdef CE_ATTENTION_SIMD
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
       if (group <= kFastGroup) {
         if (ahead >= 0) {
           for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
@@ -579,8 +654,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
         for (int64_t d = 0; d < D; ++d) ai[d] *= correction;
       }
     }
-#ifdef CE_ATTENTION_AVX512
-    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+#ifdef CE_ATTENTION_SIMD
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
       if (fast) {
         for (int64_t h = head_begin; h < head_end; ++h) {
           const int64_t i0 = (h - head_begin) * group;
@@ -668,6 +743,17 @@ int dispatch_cache(const Problem& pb, int64_t kv_kind, int num_threads) {
 }  // namespace
 
 extern "C" {
+
+// Which block loops this build has: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (plain loops only).
+int ce_cpu_attention_simd_bits() {
+#if defined(CE_ATTENTION_AVX512)
+  return 512;
+#elif defined(CE_ATTENTION_AVX2)
+  return 256;
+#else
+  return 0;
+#endif
+}
 
 // `ints` holds, in this order (pointers as integers; strides in elements; flags 0/1):
 //   query, q_stride_t, q_stride_h, key, k_stride_t, k_stride_h, value, v_stride_t, v_stride_h,

@@ -117,24 +117,56 @@ def test_one_thread_and_many_agree_on_a_quantized_cache():
     assert torch.equal(one, many)
 
 
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(
+                (frozenset(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")),
+                frozenset(),
+            )
+    except OSError:
+        return frozenset()
+
+
 @pytest.mark.slow  # a second build of the kernel: ~15 s of g++
-def test_a_portable_build_without_avx512_writes_and_reads_the_same(monkeypatch, tmp_path):
-    # The kernel is plain loops the compiler vectorises for the build machine (-march=native: AVX-512
-    # here); built for baseline x86-64 (or the machine's generic target elsewhere) instead, the
-    # int8 widening and the fp8 decode through float16 take the scalar/SSE paths, and must agree.
+@pytest.mark.parametrize("target", ["portable", "avx2"])
+def test_a_build_for_another_target_writes_and_reads_the_same(target, monkeypatch, tmp_path):
+    # The kernel is plain loops the compiler vectorises for the build machine (-march=native), plus
+    # SIMD block loops for AVX-512 or AVX2. Built for baseline x86-64 (or the machine's generic
+    # target elsewhere) instead, the int8 widening and the fp8 decode through float16 take the
+    # scalar/SSE paths; built for x86-64-v3, the AVX2 block loops (head dims of 8s: the cases at
+    # 64 and 128, on float caches too); each must agree with the reference.
     import platform
 
-    portable = "-march=x86-64" if platform.machine() in ("x86_64", "AMD64") else "-mtune=generic"
-    flags = tuple(portable if f == "-march=native" else f for f in cpu_attention_build.FLAGS)
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    if target == "avx2" and not (x86 and AVX2_FLAGS <= cpu_flags()):
+        pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
+    portable = "-march=x86-64" if x86 else "-mtune=generic"
+    march = "-march=x86-64-v3" if target == "avx2" else portable
+    flags = tuple(march if f == "-march=native" else f for f in cpu_attention_build.FLAGS)
     monkeypatch.setattr(cpu_attention_build, "FLAGS", flags)
     monkeypatch.setattr(cpu_attention_build, "_loaded", None)  # restored afterwards: the native build
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    spans, batch_options, attention_options = CASES["odd_heads_d20_bs5_softcap_padding"]
-    for dtype in (torch.int8, torch.float8_e4m3fn):
-        batch = make_attention_batch(spans, **batch_options)
-        out, expected, kernel_cache, reference_cache = run_both(
-            batch, quantized_cache(batch.kv_cache, dtype), 0.2, **attention_options
-        )
-        torch.testing.assert_close(out, expected, **SAME_CODES_TOL[torch.float32])
-        assert_same_codes(batch, kernel_cache, reference_cache)
-    assert list(tmp_path.rglob("cpu_attention-*.so")), "the portable library was not built"
+    if target == "avx2":
+        assert cpu_attention_build.load().ce_cpu_attention_simd_bits() == 256
+        cases = ["decode_gqa_d64_bs16", "prefill_g8_d128_window"]
+    else:
+        cases = ["odd_heads_d20_bs5_softcap_padding"]
+    for case in cases:
+        spans, batch_options, attention_options = CASES[case]
+        for dtype in (torch.int8, torch.float8_e4m3fn):
+            batch = make_attention_batch(spans, dtype=torch.bfloat16, **batch_options)
+            scale = batch.query.shape[2] ** -0.5
+            out, expected, kernel_cache, reference_cache = run_both(
+                batch, quantized_cache(batch.kv_cache, dtype), scale, **attention_options
+            )
+            torch.testing.assert_close(out, expected, **SAME_CODES_TOL[torch.bfloat16])
+            assert_same_codes(batch, kernel_cache, reference_cache)
+        for dtype in (torch.float32, torch.float16):  # float caches hold the query's dtype
+            batch = make_attention_batch(spans, dtype=dtype, **batch_options)
+            out, expected, _, _ = run_both(batch, batch.kv_cache, 0.3, **attention_options)
+            torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    assert list(tmp_path.rglob("cpu_attention-*.so")), "the library was not built"
