@@ -332,10 +332,17 @@ def test_two_stages_on_ray_place_stage_1_on_the_other_node_and_match_one_process
         # The rendezvous is the node's address, not the loopback one.
         assert not llm.engine.tensor_parallel.group.address.host.startswith("127.")
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outputs == expected
         pids = list(workers.pids)
+        # Stage 1's actor dies: the next step names it, and close() still leaves nothing behind.
+        ray = pytest.importorskip("ray")
+        ray.kill(workers.actors[0])
+        with pytest.raises(
+            TensorParallelWorkerError, match=r"rank 1 \(Ray actor, pid \d+, node \w+\) failed"
+        ):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
         llm.close()
-    assert outputs == expected
     _assert_ray_workers_gone(pids)
     # TP=2 x PP=2 here: stage 0's second rank must share rank 0's node, which has no CPU. Refused
     # by name before any actor starts.
