@@ -222,9 +222,10 @@ class EngineArgs:
     )
     distributed_executor_backend: str = option(
         "mp",
-        "where engines and their tensor-parallel workers run: mp (processes on this machine) or ray "
-        "(Ray actors: a served engine on any node of the cluster RAY_ADDRESS names, or of a local "
-        "one; tensor-parallel workers on their rank 0's node)",
+        "where engines and their tensor-parallel / pipeline workers run: mp (processes on this "
+        "machine) or ray (Ray actors: a served engine on any node of the cluster RAY_ADDRESS names, "
+        "or of a local one; each pipeline stage's ranks on one node, stage 0's on rank 0's node; "
+        "docs/distributed.md)",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )
     cpu_reserved_cores: int | None = option(

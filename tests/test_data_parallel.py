@@ -154,6 +154,15 @@ def test_replicas_split_the_cores_left_to_them(monkeypatch):
     assert replica_args(EngineArgs(data_parallel_size=2), 2).cpu_reserved_cores == 1  # a thread each
 
 
+def test_a_replica_on_ray_places_its_workers_with_ray_and_a_local_one_spawns_them():
+    # A served engine on Ray places its pipeline stages / TP ranks with Ray too (possibly on other
+    # nodes); a local replica spawns them on this machine.
+    on_ray = replica_args(EngineArgs(pipeline_parallel_size=2, distributed_executor_backend="ray"), 1)
+    assert (on_ray.distributed_executor_backend, on_ray.pipeline_parallel_size) == ("ray", 2)
+    local = replica_args(EngineArgs(pipeline_parallel_size=2), 1)
+    assert local.distributed_executor_backend == "mp"
+
+
 def test_an_unknown_executor_backend_is_refused():
     with pytest.raises(
         ValueError, match="unknown distributed_executor_backend 'slurm': choose one of mp, ray"

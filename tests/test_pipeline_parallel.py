@@ -7,20 +7,25 @@ a user; the test process is rank 0 (stage 0).
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.distributed.pipeline_stages import split_layers, stage_of_rank
+from compiled_engine.distributed.pipeline_stages import slice_for_stage, split_layers, stage_of_rank
 from compiled_engine.distributed.workers import TensorParallelWorkerError
 from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph, split_sequences
+from compiled_engine.model_loader.loader import load_model
 from tests.model_factory import make_tiny_model
 
 WORKER_NAME = "compiled-engine-tp-rank"
@@ -118,6 +123,50 @@ def test_bad_pipeline_sizes_are_refused_by_name(llama_dir):
     assert not dist.is_initialized()
 
 
+# -- per-stage loading ---------------------------------------------------------------------------
+
+
+def _stage_needs(name: str, stage_index: int, tied: bool) -> bool:
+    """The checkpoint tensors stage `stage_index` of 2 (4 layers: 0-1, 2-3) must read."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer is not None:
+        return int(layer.group(1)) // 2 == stage_index
+    if name == "model.embed_tokens.weight":  # also the LM head, when tied
+        return stage_index == 0 or tied
+    assert name in ("model.norm.weight", "lm_head.weight"), name
+    return stage_index == 1
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["separate-head", "tied-head"])
+def test_each_stage_reads_only_its_own_tensors_from_the_shards(tmp_path, tied):
+    model_dir = make_tiny_model(tmp_path, num_layers=4, tie_word_embeddings=tied, max_shard_size="40KB")
+    index = json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())
+    in_checkpoint = set(index["weight_map"])
+    assert len(set(index["weight_map"].values())) > 2  # several shards
+    whole = load_model(model_dir)
+    assert whole.checkpoint_tensors_read == in_checkpoint
+    whole_params = dict(whole.model.named_parameters(remove_duplicate=False))
+    read_by_stages = []
+    for stage_index in (0, 1):
+        stage = stage_of_rank(stage_index, num_layers=4, num_stages=2, tp_size=1)
+        loaded = load_model(model_dir, keep=stage.holds_tensor)
+        expected = {name for name in in_checkpoint if _stage_needs(name, stage_index, tied)}
+        assert loaded.checkpoint_tensors_read == expected
+        read_by_stages.append(loaded.checkpoint_tensors_read)
+        sliced = slice_for_stage(loaded, stage)
+        # Every tensor the stage keeps is loaded (slice_for_stage checks none is left on meta)
+        # and equals the whole model's, its layers renumbered from 0.
+        for name, param in sliced.model.named_parameters():
+            layer = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+            source = (
+                f"model.layers.{int(layer.group(1)) + stage.first_layer}.{layer.group(2)}" if layer else name
+            )
+            assert torch.equal(param, whole_params[source]), name
+    # Between them the stages read the checkpoint once (a tied table: once per end stage).
+    assert read_by_stages[0] | read_by_stages[1] == in_checkpoint
+    assert (read_by_stages[0] & read_by_stages[1]) == ({"model.embed_tokens.weight"} if tied else set())
+
+
 # -- engines --------------------------------------------------------------------------------------
 
 
@@ -212,37 +261,149 @@ def test_a_killed_stage_stops_the_engine_with_a_clear_error_and_every_process_en
     _assert_nothing_left()
 
 
-@pytest.mark.slow  # a Ray test cluster of two simulated nodes, and a worker actor
-def test_two_stages_on_ray_match_one_process(llama_dir):
+# -- on Ray, across two (simulated) nodes ----------------------------------------------------------
+
+
+@pytest.fixture
+def ray_cluster():
+    """Starts Ray's test cluster of two simulated nodes (raylets) on this machine, with the CPUs
+    each test asks for: `start(head_cpus, other_cpus)` -> (cluster, head node id, other node id)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from tests.test_ray_replicas import _engine_actors
+    clusters = []
+
+    def start(head_cpus: int, other_cpus: int):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})
+        clusters.append(cluster)
+        other = cluster.add_node(num_cpus=other_cpus)
+        ray.init(address=cluster.address, log_to_driver=False)
+        return cluster, ray.get_runtime_context().get_node_id(), other.node_id
+
+    try:
+        yield start
+    finally:
+        ray.shutdown()
+        for cluster in clusters:
+            cluster.shutdown()
+
+
+def _placement_groups_left() -> list[str]:
+    from ray.util import placement_group_table
+
+    return [pg for pg, row in placement_group_table().items() if row["state"] != "REMOVED"]
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _assert_ray_workers_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while (_alive(pids) or _placement_groups_left()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == [], "a worker actor's process outlived the engine"
+    assert _placement_groups_left() == [], "a placement group outlived the engine"
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow  # a Ray test cluster of two simulated nodes, and a worker actor
+def test_two_stages_on_ray_place_stage_1_on_the_other_node_and_match_one_process(llama_dir, ray_cluster):
+    from compiled_engine.distributed.ray_placement import RayPlacementError
 
     prompts = _prompts(384, 4, seed=6)
     expected = _single_process_tokens(llama_dir, prompts, enforce_eager=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
+    # The head (rank 0's node: this test's process) has no CPU for a worker: stage 1 can only go
+    # to the other node.
+    _, head, other = ray_cluster(0, 2)
+    llm = LLM(
+        llama_dir, pipeline_parallel_size=2, distributed_executor_backend="ray", enforce_eager=True, **ENGINE
+    )
     try:
-        llm = LLM(
+        workers = llm.engine.tensor_parallel.workers
+        assert workers.node_ids == [other] and head != other
+        # The rendezvous is the node's address, not the loopback one.
+        assert not llm.engine.tensor_parallel.group.address.host.startswith("127.")
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outputs == expected
+        pids = list(workers.pids)
+        # Stage 1's actor dies: the next step names it, and close() still leaves nothing behind.
+        ray = pytest.importorskip("ray")
+        ray.kill(workers.actors[0])
+        with pytest.raises(
+            TensorParallelWorkerError, match=r"rank 1 \(Ray actor, pid \d+, node \w+\) failed"
+        ):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    _assert_ray_workers_gone(pids)
+    # TP=2 x PP=2 here: stage 0's second rank must share rank 0's node, which has no CPU. Refused
+    # by name before any actor starts.
+    with pytest.raises(
+        RayPlacementError,
+        match=r"pipeline stage 0 \(worker rank 1\).* cannot be placed: rank 0's node \w+ has "
+        r"\{'CPU': 0\} in all, and needs \{'CPU': 1.0\}",
+    ):
+        LLM(
             llama_dir,
+            tensor_parallel_size=2,
             pipeline_parallel_size=2,
             distributed_executor_backend="ray",
             enforce_eager=True,
             **ENGINE,
         )
-        try:
-            assert _engine_actors("TensorParallelActor")  # stage 1 runs in a Ray actor
-            outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        finally:
-            llm.close()
-        assert outputs == expected
-        deadline = time.monotonic() + 30
-        while _engine_actors("TensorParallelActor") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _engine_actors("TensorParallelActor") == []
+    assert _placement_groups_left() == [] and not dist.is_initialized()
+
+
+@pytest.mark.slow  # a Ray test cluster of two simulated nodes, three worker actors, then a refusal
+def test_two_tensor_parallel_ranks_per_stage_on_ray_share_a_node_per_stage(
+    four_layer_dirs, ray_cluster, monkeypatch
+):
+    from compiled_engine.distributed import ray_workers
+    from compiled_engine.distributed.ray_placement import RayPlacementError
+
+    model_dir = four_layer_dirs["llama"]
+    prompts = _prompts(384, 4, seed=7)
+    expected = _single_process_tokens(model_dir, prompts, enforce_eager=True)
+    # One CPU on rank 0's node (stage 0's rank 1), two on the other (stage 1's ranks 2 and 3).
+    _, head, other = ray_cluster(1, 2)
+    llm = LLM(
+        model_dir,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+        enforce_eager=True,
+        **ENGINE,
+    )
+    try:
+        workers = llm.engine.tensor_parallel.workers
+        assert workers.node_ids == [head, other, other]  # ranks 1, 2, 3
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        pids = list(workers.pids)
+        # A second engine while this one holds every CPU: its stage 1 cannot be placed in time,
+        # and the error names the stage and what it asked for.
+        monkeypatch.setattr(ray_workers, "PLACEMENT_TIMEOUT_S", 3.0)
+        with pytest.raises(
+            RayPlacementError,
+            match=r"pipeline stage 1 \(worker rank 1\): 1 bundle\(s\) of \{'CPU': 1.0\} on one node could "
+            r"not be placed within 3 s",
+        ):
+            LLM(
+                model_dir,
+                pipeline_parallel_size=2,
+                distributed_executor_backend="ray",
+                enforce_eager=True,
+                **ENGINE,
+            )
+        assert len(_placement_groups_left()) == 2  # the running engine's two stages' only
     finally:
-        ray.shutdown()
-        cluster.shutdown()
-    assert not dist.is_initialized()
+        llm.close()
+    assert outputs == expected
+    _assert_ray_workers_gone(pids)

@@ -102,3 +102,42 @@ def test_tensor_parallel_workers_on_ray_match_one_process(two_node_cluster, mode
     while _engine_actors("TensorParallelActor") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _engine_actors("TensorParallelActor") == []
+
+
+@pytest.mark.slow  # a Ray cluster, an engine actor, and its stage-1 actor placed on the other node
+def test_a_served_engine_on_ray_places_its_second_stage_on_the_other_node(two_node_cluster, llama_dir):
+    from ray.util import placement_group_table
+
+    from compiled_engine.engine.data_parallel import replica_args, replica_starter
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    local = LLM(llama_dir, **ENGINE_OPTIONS)
+    expected = local.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)[0].outputs[0].text
+    local.close()
+
+    # What `serve --distributed-executor-backend ray --pipeline-parallel-size 2` starts: the engine
+    # in a Ray actor (1 CPU, on either node), which places its stage 1 (1 CPU) where a CPU is left.
+    args = EngineArgs(
+        model=llama_dir, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE_OPTIONS
+    )
+    engine = replica_starter(replica_args(args, 1), args.distributed_executor_backend)()
+    server = ServerThread(build_app(engine, served_model_names=[MODEL]))
+    try:
+        (stage_1,) = [r for r in placement_group_table().values() if r["state"] == "CREATED"]
+        assert stage_1["bundles_to_node_id"][0] != engine._process.node_id
+        results = asyncio.run(_streams(server.url, 4, 24))
+        assert all(r == (expected, 24) for r in results), results
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 30
+    left = ["EngineActor", "TensorParallelActor"]
+    while (any(map(_engine_actors, left)) or _created_groups()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [_engine_actors(name) for name in left] == [[], []]
+    assert _created_groups() == []
+
+
+def _created_groups() -> list[str]:
+    from ray.util import placement_group_table
+
+    return [pg for pg, row in placement_group_table().items() if row["state"] != "REMOVED"]

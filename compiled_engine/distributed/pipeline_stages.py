@@ -2,8 +2,10 @@
 
 `pipeline_parallel_size=P` splits the decoder layers into P contiguous runs, one per stage; a
 stage has `tensor_parallel_size` ranks (global rank = stage * TP + TP rank; rank 0, the engine's
-own process, is stage 0's TP rank 0). `slice_for_stage` turns the loaded HF model into the
-stage's model, in place:
+own process, is stage 0's TP rank 0). The loader reads only the tensors the stage holds
+(`PipelineStage.holds_tensor`: its layers, and the embedding / final norm / LM head where it has
+them); the rest stay on meta. `slice_for_stage` then turns the loaded HF model into the stage's
+model, in place:
 
 - the layer list keeps the stage's layers only, each attention's `layer_idx` renumbered from 0
   (the stage's KV cache holds its own layers only; block ids are the same on every stage, as the
@@ -22,6 +24,7 @@ opaque ops inside them, as tensor parallelism's collectives are.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +47,12 @@ _UNSERVED_HEAD_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_s
 
 # Marks a sliced model with its stage (read by the compile cache's manifest: graphs/step_graph.py).
 STAGE_ATTRIBUTE = "_compiled_engine_pipeline_stage"
+
+# Model tensor names by the module `slice_for_stage` keeps or drops (a causal LM's `model` body
+# with `layers`, `embed_tokens`, `norm`, and its `lm_head`).
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+_FIRST_STAGE_PREFIXES = ("model.embed_tokens.",)
+_LAST_STAGE_PREFIXES = ("model.norm.", "lm_head.")
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,19 @@ class PipelineStage:
     @property
     def last_stage_rank(self) -> int:
         return (self.num_stages - 1) * self.tp_size + self.tp_rank
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether this stage's model keeps model tensor `name` (the loader reads no other):
+        its own decoder layers', the embedding's on the first stage, the final norm's and the
+        LM head's on the last, and any other (rotary tables and the like) everywhere."""
+        layer = _LAYER_TENSOR.match(name)
+        if layer is not None:
+            return self.first_layer <= int(layer.group(1)) < self.end_layer
+        if name.startswith(_FIRST_STAGE_PREFIXES):
+            return self.is_first
+        if name.startswith(_LAST_STAGE_PREFIXES):
+            return self.is_last
+        return True
 
     @property
     def label(self) -> str:
@@ -167,6 +189,13 @@ def slice_for_stage(loaded: LoadedModel, stage: PipelineStage) -> LoadedModel:
     if not stage.is_last:
         body.norm = nn.Identity()
         model.lm_head = nn.Identity()
+    # What the loader left unread (on meta) must be exactly what the stage dropped.
+    unread = [key for key, tensor in model.state_dict().items() if tensor.is_meta]
+    if unread:
+        raise UnsupportedModelError(
+            f"{name}'s pipeline stage {stage.index} still needs tensor(s) {unread[:5]} that its "
+            "loader did not read"
+        )
     setattr(model, STAGE_ATTRIBUTE, stage)
     # The stage's forward on a subclass of the model's own class (same name: the architecture the
     # compile cache and the passes read): an instance-level `forward` would change the module

@@ -27,7 +27,8 @@ class RendezvousAddress:
 
     @classmethod
     def on_localhost(cls) -> RendezvousAddress:
-        """A free TCP port on 127.0.0.1 (the single-host case; docs/distributed.md covers others)."""
+        """A free TCP port on 127.0.0.1: every rank on this machine (the "mp" backend; the Ray
+        backend's ranks meet at rank 0's node address: distributed/ray_workers.py)."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             return cls("127.0.0.1", probe.getsockname()[1])
@@ -48,6 +49,7 @@ class TensorParallelGroup:
             )
         self.rank = rank
         self.world_size = world_size
+        self.address = address
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,

@@ -27,9 +27,11 @@ class TensorParallelRuntime:
         serve_rank: ServeRank,
         rank_and_address: tuple[int, RendezvousAddress] | None,
         launcher: str = "mp",
+        tensor_parallel_size: int | None = None,
     ) -> TensorParallelRuntime:
-        """Rank 0 (`rank_and_address` None): start the workers — spawned processes ("mp") or Ray
-        actors on this node ("ray", distributed/ray_workers.py) — then join; a worker: join.
+        """Rank 0 (`rank_and_address` None): start the workers — spawned processes on this
+        machine ("mp"), or Ray actors placed stage by stage ("ray", distributed/ray_workers.py;
+        `tensor_parallel_size` ranks per stage, all of them when None) — then join; a worker: join.
 
         Each worker runs `serve_rank`, which the engine provides: it builds the worker's rank
         with the engine's own constructor, so the runtime needs to know nothing of the engine.
@@ -37,13 +39,15 @@ class TensorParallelRuntime:
         if rank_and_address is not None:
             rank, address = rank_and_address
             return cls(rank, world_size, TensorParallelGroup(rank, world_size, address, device), None)
-        address = RendezvousAddress.on_localhost()
         workers: Workers
         if launcher == "ray":
-            from compiled_engine.distributed.ray_workers import RayWorkers
+            from compiled_engine.distributed.ray_workers import RayWorkers, ray_rendezvous_address
 
-            workers = RayWorkers(world_size, address, serve_rank)
+            # Reachable from the other nodes: the address Ray knows rank 0's node by.
+            address = ray_rendezvous_address()
+            workers = RayWorkers(world_size, tensor_parallel_size or world_size, address, serve_rank)
         else:
+            address = RendezvousAddress.on_localhost()
             workers = WorkerProcesses(world_size, address, serve_rank)
         try:
             workers.wait_joining()

@@ -49,12 +49,13 @@ ReplicaFactory = Callable[[int], AsyncLLM]
 
 
 def replica_args(args: EngineArgs, size: int) -> EngineArgs:
-    """One replica's options: a single local engine; with local replicas on a CPU, the cores but
-    one (left to the API server) shared out between them, unless the user chose the reservation.
-    (A replica on Ray resolves its own node's cores.)"""
-    one = replace(args, data_parallel_size=1, distributed_executor_backend="mp")
+    """One replica's options: a single engine; with local replicas on a CPU, the cores but one
+    (left to the API server) shared out between them, unless the user chose the reservation.
+    A replica on Ray resolves its own node's cores, and places its tensor-parallel / pipeline
+    workers with Ray too (so its pipeline stages may run on other nodes)."""
     if args.distributed_executor_backend == "ray":
-        return one
+        return replace(args, data_parallel_size=1)
+    one = replace(args, data_parallel_size=1)
     if args.cpu_reserved_cores is not None or "OMP_NUM_THREADS" in os.environ:
         return one
     cores = len(os.sched_getaffinity(0))

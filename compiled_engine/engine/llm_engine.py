@@ -135,6 +135,7 @@ class LLMEngine:
             partial(serve_tensor_parallel_rank, args),
             rank_and_address,
             launcher=args.distributed_executor_backend,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         if num_layers is not None:
             stage = stage_of_rank(
@@ -191,7 +192,11 @@ class LLMEngine:
         else:
             tp_rank = (tp.rank, tp.world_size) if tp else None
         loaded = load_model(
-            args.resolve_model_dir(), dtype=args.dtype, device=device, tensor_parallel=tp_rank
+            args.resolve_model_dir(),
+            dtype=args.dtype,
+            device=device,
+            tensor_parallel=tp_rank,
+            keep=stage.holds_tensor if stage is not None else None,  # a stage reads its own tensors only
         )
         # A pipeline stage keeps its own layers (and the embedding / the head where it has them).
         return slice_for_stage(loaded, stage) if stage is not None else loaded

@@ -16,14 +16,17 @@ No random init (the model is built with no storage at all), no pickle, no networ
      under every name;
   6. check that nothing is left on meta and freeze every parameter.
 With `tensor_parallel=(rank, world_size)`, step 5 reads only the slice of each tensor that rank
-holds (compiled_engine/distributed/layout.py), straight from the file.
+holds (compiled_engine/distributed/layout.py), straight from the file. With `keep` (a pipeline
+stage's `holds_tensor`: distributed/pipeline_stages.py), steps 5-6 read and check only the model
+tensors `keep` names; the others stay on meta, for the caller to drop with their modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -64,6 +67,8 @@ class LoadedModel:
     model_config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None when the folder has no tokenizer files
     tensor_parallel: TensorParallelLayout | None = None  # this rank's slices, when sharded
+    # The checkpoint tensors read from the files (not just listed from their headers).
+    checkpoint_tensors_read: frozenset[str] = frozenset()
 
 
 def load_model(
@@ -72,12 +77,15 @@ def load_model(
     device: str | torch.device = "cpu",
     tensor_parallel: tuple[int, int] | None = None,
     body_only: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> LoadedModel:
     """Load the causal LM in `model_dir` in `dtype` ("auto" | "float32" | "bfloat16" | "float16").
 
     `tensor_parallel=(rank, world_size)`: load only that rank's slice of every sharded weight.
     `body_only`: load the model's body without a head (AutoModel's class: `Qwen3Model`,
     `BertModel`), as embedding models (compiled_engine/pooling/) run it.
+    `keep`: which model tensors (by name) to fill; the rest are never read and stay on meta (a
+    pipeline stage's other layers). Tied names count as one: filled if `keep` names any of them.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -111,11 +119,14 @@ def load_model(
         where = {name: path for name, path in where.items() if name not in compressed}
     plan = plan_checkpoint_keys(model, where)
     _check_unmatched(plan, model, model_dir)
-    tensors = _read_tensors(where, plan, model, device, layout)
+    kept = _kept_names(model, keep)
+    if kept is not None:
+        plan = _only_targets(plan, kept)
+    tensors, read = _read_tensors(where, plan, model, device, layout)
     if quantized is not None:
         tensors.update(quantized.dequantized)
-    _assign_weights(model, tensors, target_dtype, model_dir, layout)
-    _check_nothing_on_meta(model, model_dir)
+    _assign_weights(model, tensors, target_dtype, model_dir, layout, kept)
+    _check_nothing_on_meta(model, model_dir, kept)
     if quantized is not None:
         quantized.attach(model)
     if layout is not None:
@@ -132,6 +143,7 @@ def load_model(
         model_config=model_config,
         tokenizer=_load_tokenizer(model_dir),
         tensor_parallel=layout,
+        checkpoint_tensors_read=frozenset(read),
     )
 
 
@@ -343,14 +355,38 @@ def _check_unmatched(plan: CheckpointKeyPlan, model: PreTrainedModel, model_dir:
         )
 
 
+def _kept_names(model: PreTrainedModel, keep: Callable[[str], bool] | None) -> set[str] | None:
+    """The model tensor names to fill (None: all): those `keep` names, and every name tied to one."""
+    if keep is None:
+        return None
+    tie_groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tie_groups.setdefault(id(param), []).append(name)
+    kept = {name for group in tie_groups.values() if any(map(keep, group)) for name in group}
+    param_names = _param_names(tie_groups)
+    kept.update(name for name in model.state_dict() if name not in param_names and keep(name))
+    return kept
+
+
+def _only_targets(plan: CheckpointKeyPlan, kept: set[str]) -> CheckpointKeyPlan:
+    """The plan, reading only what fills `kept` model tensors (a converted group by its first
+    target: transformers groups the tensors of one module, e.g. one layer's experts)."""
+    return dataclasses.replace(
+        plan,
+        renamed={target: name for target, name in plan.renamed.items() if target in kept},
+        converted=tuple(group for group in plan.converted if group.first_target in kept),
+    )
+
+
 def _read_tensors(
     where: dict[str, Path],
     plan: CheckpointKeyPlan,
     model: PreTrainedModel,
     device: torch.device,
     layout: TensorParallelLayout | None = None,
-) -> dict[str, torch.Tensor]:
-    """Model name -> tensor, read from the files (renamed and converted as the plan says)."""
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Model name -> tensor, read from the files (renamed and converted as the plan says), and the
+    checkpoint names read. A file none of whose tensors the plan wants is not opened."""
     wanted_by_file: dict[Path, set[str]] = {}
     for name in plan.checkpoint_names_read:
         wanted_by_file.setdefault(where[name], set()).add(name)
@@ -360,10 +396,12 @@ def _read_tensors(
     model_names = model.state_dict().keys()
     tensors: dict[str, torch.Tensor] = {}
     convert_inputs: dict[str, torch.Tensor] = {}
+    read: list[str] = []
     for path, wanted in wanted_by_file.items():
         try:
             with safe_open(path, framework="pt", device=str(device)) as reader:
                 for name in sorted(wanted):
+                    read.append(name)
                     if name in to_convert:
                         # A converter needs whole tensors; the rank's slice is cut from its output.
                         convert_inputs[name] = reader.get_tensor(name)
@@ -392,7 +430,7 @@ def _read_tensors(
                     f"weights in {where[sources[0]].parent} fill {target} twice (once from {_names(sources)})"
                 )
             tensors[target] = _slice_in_memory(value, target, layout)
-    return tensors
+    return tensors, read
 
 
 def _read_tensor(reader, name: str, target: str, layout: TensorParallelLayout | None) -> torch.Tensor:
@@ -430,12 +468,18 @@ def _assign_weights(
     dtype: torch.dtype,
     model_dir: Path,
     layout: TensorParallelLayout | None = None,
+    kept: set[str] | None = None,
 ) -> None:
+    """Fill the model's tensors (those in `kept`, when given) from `tensors`."""
     # Names that share one Parameter on the freshly built model are tied (lm_head -> embed_tokens).
     tie_groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        tie_groups.setdefault(id(param), []).append(name)
-    persistent_buffers = [name for name in model.state_dict() if name not in _param_names(tie_groups)]
+        if kept is None or name in kept:
+            tie_groups.setdefault(id(param), []).append(name)
+    all_params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    persistent_buffers = [
+        name for name in model.state_dict() if name not in all_params and (kept is None or name in kept)
+    ]
 
     missing = [group[0] for group in tie_groups.values() if not any(n in tensors for n in group)]
     missing += [name for name in persistent_buffers if name not in tensors]
@@ -529,9 +573,11 @@ def _set_buffer(model: torch.nn.Module, dotted_name: str, value: torch.Tensor) -
     model.get_submodule(module_name)._buffers[attr] = value
 
 
-def _check_nothing_on_meta(model: PreTrainedModel, model_dir: Path) -> None:
+def _check_nothing_on_meta(model: PreTrainedModel, model_dir: Path, kept: set[str] | None = None) -> None:
     on_meta = [name for name, t in model.named_parameters() if t.is_meta]
     on_meta += [name for name, t in model.named_buffers() if t.is_meta]
+    if kept is not None:
+        on_meta = [name for name in on_meta if name in kept]
     if on_meta:
         raise ModelLoadError(
             f"after loading {model_dir}, tensor(s) {_names(on_meta)} have no data (still on meta)"
