@@ -3,12 +3,15 @@
 `ServerProcess` launches a server command in its own process group (anything it starts — our
 background compiler, vLLM's engine core — goes with it), waits for its /health, and stops it.
 `serve_command` is `compiled-engine serve` with the bench's options; `StreamRecord` is one streamed
-request seen from the client (send time, every chunk's arrival), and `percentile` the one rule
-every summary uses. bench/test_cold_start_serving.py and bench/test_serving.py share them.
+request seen from the client (send time, every chunk's arrival), `quiet_client_heap` keeps the
+client's own garbage collector out of those times, and `percentile` is the one rule every summary
+uses. bench/test_cold_start_serving.py and bench/test_serving.py share them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import signal
@@ -32,6 +35,43 @@ class StreamRecord:
     completion_tokens: int = 0
     expected_tokens: int = 0
     abandoned: bool = False  # the client closed the stream early, on purpose
+
+
+@dataclass
+class ClientCollections:
+    """The measuring client's own garbage collections while it measured (full ones are the pauses
+    that matter: each would show as a gap in every open stream at once)."""
+
+    full: int = 0
+    longest_s: float = 0.0
+
+
+@contextlib.contextmanager
+def quiet_client_heap():
+    """Keep the client's collector out of what it measures. The client's start-up heap (openai,
+    httpx, pydantic: ~100k objects) is frozen, as the server freezes its own
+    (engine/startup_heap.py): a full collection walking it took 50-220 ms here, a pause every open
+    stream would record as a server stall. Full collections that still run are counted and timed."""
+    seen = ClientCollections()
+    started = [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            seen.full += 1
+            seen.longest_s = max(seen.longest_s, time.perf_counter() - started[0])
+
+    gc.collect()
+    gc.freeze()
+    gc.callbacks.append(watch)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(watch)
+        gc.unfreeze()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -43,27 +43,25 @@ from bench.serving_harness import (
     http_get,
     inter_chunk_gaps,
     percentile,
+    quiet_client_heap,
     serve_command,
 )
 from bench.workloads import BenchRequest, mixed_requests
 
-# Variants: the server's compile policy and any extra flags. "background-chunked" also caps the
-# prompt tokens per step (`--long-prefill-token-threshold`, 32; "-64" and "-16" at those), so new prompts
-# lengthen the steps of the streams already decoding by at most that many tokens. The
-# "-all-cores" ones give the step every core (`--cpu-reserved-cores 0`) instead of leaving one
-# to the API server and the client: the baseline of that default. Each is the same path as
+# Variants: the server's compile policy and any extra flags. Every variant serves with `serve`'s
+# defaults otherwise, which on CPU cap the prompt tokens of a step at 32 while requests decode
+# (`--long-prefill-token-threshold`, engine_args.SERVING_LONG_PREFILL_DEFAULT); "-uncapped" turns
+# the cap off (the default before it), "-chunked-16" and "-chunked-64" set it to those. The
+# "-all-cores" one gives the step every core (`--cpu-reserved-cores 0`) instead of leaving one to
+# the API server and the client: the baseline of that default. Each is the same path as
 # "background" otherwise, so the smoke run leaves them out.
 VARIANTS = {
     "background": ("background", ()),
     "blocking": ("blocking", ()),
-    "background-chunked": ("background", ("--long-prefill-token-threshold", "32")),
-    "background-chunked-64": ("background", ("--long-prefill-token-threshold", "64")),
+    "background-uncapped": ("background", ("--long-prefill-token-threshold", "0")),
     "background-chunked-16": ("background", ("--long-prefill-token-threshold", "16")),
+    "background-chunked-64": ("background", ("--long-prefill-token-threshold", "64")),
     "background-all-cores": ("background", ("--cpu-reserved-cores", "0")),
-    "background-chunked-all-cores": (
-        "background",
-        ("--long-prefill-token-threshold", "32", "--cpu-reserved-cores", "0"),
-    ),
 }
 # The model `compiled-engine serve` runs when given none: what a new user starts first.
 MODEL = "embedded"
@@ -118,6 +116,9 @@ class ColdServeResult:
     # /ready sampled during the run: (asked, answered: seconds from /health; graphs ready, compiled,
     # compiling, queued).
     ready_timeline: list[tuple[float, float, int, int, int, int]]
+    # The measuring client's own full garbage collections during the workload (count, longest).
+    client_full_collections: int = 0
+    client_longest_collection_s: float = 0.0
 
 
 def summarise(
@@ -274,7 +275,8 @@ def serve_cold_once(
         startup_s = server.wait_healthy()
         t0 = time.perf_counter()  # serving has started: every time below counts from here
         ready_samples: list = []
-        streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_samples))
+        with quiet_client_heap() as collections:
+            streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_samples))
         counters = _graph_counters(http_get(f"{server.url}/metrics")[1])
         ready_at_end = json.loads(http_get(f"{server.url}/ready")[1])["graphs"]
     except BaseException:
@@ -285,7 +287,13 @@ def serve_cold_once(
     for s in streams:
         assert s.completion_tokens == s.expected_tokens, (s.completion_tokens, s.expected_tokens)
         assert s.chunk_at, "a stream ended without a token"
-    return summarise(streams, startup_s, counters, ready_at_end, ready_samples), streams
+    result = summarise(streams, startup_s, counters, ready_at_end, ready_samples)
+    result = dataclasses.replace(
+        result,
+        client_full_collections=collections.full,
+        client_longest_collection_s=collections.longest_s,
+    )
+    return result, streams
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

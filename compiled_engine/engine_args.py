@@ -40,6 +40,11 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 # step N. CPU: off — the model and the host share the same two cores and the GIL, and the bench
 # (docs/performance.md, "Async loop") measured the worker-thread loop slower than the synchronous one.
 ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
+# `long_prefill_token_threshold=None`: 0 (no cap) in-process; under `compiled-engine serve`, per
+# device. CPU: 32 prompt tokens a step while any request decodes, so an arriving prompt lengthens
+# the steps of the streams already decoding by a bounded amount (docs/performance.md, "No stalls":
+# uncapped, p99 inter-token latency was 5.6-7.7x its median). CUDA: no cap, as vLLM.
+SERVING_LONG_PREFILL_DEFAULT = {"cpu": 32, "cuda": 0}
 # kernels/backends.py ATTENTION_BACKENDS (a test keeps the two equal; importing it here costs torch).
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -135,11 +140,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = option(
         None, f"most tokens in one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
-    long_prefill_token_threshold: int = option(
-        0,
+    long_prefill_token_threshold: int | None = option(
+        None,
         "most prompt tokens one request prefills per step (0: up to the step budget); while any "
         "request decodes, also the most prompt tokens of the whole step, so a small value bounds "
-        "how much new prompts lengthen the steps of requests already decoding",
+        "how much new prompts lengthen the steps of requests already decoding (default: 0 "
+        "in-process; under `compiled-engine serve`, 32 on CPU and 0 on CUDA)",
     )
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(
@@ -288,14 +294,12 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
-        if (
-            isinstance(self.long_prefill_token_threshold, bool)
-            or not isinstance(self.long_prefill_token_threshold, int)
-            or self.long_prefill_token_threshold < 0
-        ):
+        threshold = self.long_prefill_token_threshold
+        bad_threshold = isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
+        if threshold is not None and bad_threshold:
             raise ValueError(
-                "long_prefill_token_threshold must be an int >= 0 (0: no limit), "
-                f"got {self.long_prefill_token_threshold!r}"
+                "long_prefill_token_threshold must be an int >= 0 (0: no limit; None: auto), "
+                f"got {threshold!r}"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
@@ -462,7 +466,7 @@ class EngineArgs:
             async_scheduling=async_scheduling,
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold=self.long_prefill_token_threshold or 0,
             tensor_parallel_size=self.tensor_parallel_size,
             # Tensor- and pipeline-parallel ranks size their own threads (engine/llm_engine.py).
             cpu_reserved_cores=(self.cpu_reserved_cores or 0) if self.world_size == 1 else 0,

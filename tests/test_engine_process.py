@@ -21,7 +21,7 @@ from compiled_engine.engine.async_llm import AsyncLLM
 from compiled_engine.engine.engine_process import engine_environment, serving_defaults
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
-from compiled_engine.engine_args import EngineArgs
+from compiled_engine.engine_args import SERVING_LONG_PREFILL_DEFAULT, EngineArgs
 from compiled_engine.entrypoints.openai.api_server import build_app
 from compiled_engine.errors import ModelLoadError
 from tests.test_server import ENGINE_OPTIONS, GREEDY, ServerThread, _error, _get
@@ -133,7 +133,7 @@ def test_the_engine_process_leaves_when_the_server_dies(llama_dir):
         f"""
         import time
         from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
-        from compiled_engine.engine_args import EngineArgs
+        from compiled_engine.engine_args import SERVING_LONG_PREFILL_DEFAULT, EngineArgs
         engine = ProcessAsyncLLM.start(EngineArgs(model={llama_dir!r}, **{ENGINE_OPTIONS!r}))
         print(engine.pid, flush=True)
         time.sleep(600)
@@ -172,6 +172,19 @@ def test_the_serving_engine_leaves_a_core_to_the_server_unless_told_otherwise(mo
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert serving_defaults(EngineArgs()).cpu_reserved_cores == 0  # the user chose the threads
+
+
+def test_the_serving_engine_caps_prompt_tokens_per_step_on_cpu_unless_told_otherwise():
+    assert EngineArgs().long_prefill_token_threshold is None  # auto
+    cpu = serving_defaults(EngineArgs(device="cpu"))
+    assert cpu.long_prefill_token_threshold == SERVING_LONG_PREFILL_DEFAULT["cpu"] > 0
+    assert serving_defaults(EngineArgs(device="cuda")).long_prefill_token_threshold == 0
+    for chosen in (0, 7):
+        args = EngineArgs(device="cpu", long_prefill_token_threshold=chosen)
+        assert serving_defaults(args).long_prefill_token_threshold == chosen
+    for bad in (-1, 1.5, True, "32"):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 0"):
+            EngineArgs(long_prefill_token_threshold=bad)
 
 
 def test_reserved_cores_lower_the_step_threads(llama_dir):

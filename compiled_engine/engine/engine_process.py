@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from compiled_engine.distributed.ray_cluster import openmp_environment
 from compiled_engine.engine.stats import EngineStats
+from compiled_engine.engine_args import SERVING_LONG_PREFILL_DEFAULT
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
 
@@ -194,13 +195,19 @@ def engine_environment(environ) -> dict[str, str]:
 
 
 def serving_defaults(args):
-    """`args` (an EngineArgs) with the engine process's own defaults resolved: one core left to
-    the API server and its clients (`cpu_reserved_cores`) unless the user chose, or set
-    OMP_NUM_THREADS, or the machine has a single core."""
-    if args.cpu_reserved_cores is not None:
-        return args
-    reserved = 0 if "OMP_NUM_THREADS" in os.environ or len(os.sched_getaffinity(0)) < 2 else 1
-    return dataclasses.replace(args, cpu_reserved_cores=reserved)
+    """`args` (an EngineArgs) with the engine process's own defaults resolved, where the user did
+    not choose: one core left to the API server and its clients (`cpu_reserved_cores`) unless
+    OMP_NUM_THREADS is set or the machine has a single core; and the per-device cap on the prompt
+    tokens of a step while requests decode (`long_prefill_token_threshold`,
+    SERVING_LONG_PREFILL_DEFAULT)."""
+    chosen = {}
+    if args.cpu_reserved_cores is None:
+        spare = "OMP_NUM_THREADS" not in os.environ and len(os.sched_getaffinity(0)) >= 2
+        chosen["cpu_reserved_cores"] = 1 if spare else 0
+    if args.long_prefill_token_threshold is None:
+        device = args.resolve_device().type
+        chosen["long_prefill_token_threshold"] = SERVING_LONG_PREFILL_DEFAULT.get(device, 0)
+    return dataclasses.replace(args, **chosen) if chosen else args
 
 
 def _recv_within(conn: Connection, process: subprocess.Popen[bytes], timeout_s: float):
