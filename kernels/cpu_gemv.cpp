@@ -16,10 +16,11 @@
 // a float32 lane), and no horizontal sums are needed. Out-of-range features and the odd k of a
 // bf16 weight are packed as zeros. Accumulation is float32 in every path.
 //
-// Paths (`isa`): 2 = AVX-512 BF16 (`_mm512_dpbf16_ps` for bf16 weights, else as 1); 1 = AVX-512F,
-// bf16 widened to float32 by shifting its bits; 0 = plain C++ loops over the same layout. The
-// caller picks the best this CPU has; tests force the others. Intrinsics sit in functions with
-// `target` attributes, so the file builds on any x86-64 compiler whatever -march=native says.
+// Paths (`isa`): 3 = AVX-512 BF16 (`_mm512_dpbf16_ps` for bf16 weights, else as 2); 2 = AVX-512F,
+// bf16 widened to float32 by shifting its bits; 1 = AVX2 + FMA + F16C (the same maths 8 features a
+// register, see the AVX2 section); 0 = plain C++ loops over the same layout. The caller picks the
+// best this CPU has; tests force the others. Intrinsics sit in functions with `target` attributes,
+// so the file builds on any x86-64 compiler whatever -march=native says.
 
 #include <algorithm>
 #include <cstdint>
@@ -30,6 +31,7 @@
 #include <immintrin.h>
 #define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define CE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+#define CE_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace {
@@ -242,7 +244,7 @@ CE_AVX512BF16 void block_avx512_bf16_dot(const Problem& p, int64_t block, int64_
 template <int R>
 void block_avx512(const Problem& p, int64_t block, int64_t row0, int isa) {
   if (p.dtype == kBFloat16) {
-    if (isa >= 2) block_avx512_bf16_dot<R>(p, block, row0);
+    if (isa >= 3) block_avx512_bf16_dot<R>(p, block, row0);
     else block_avx512_bf16_widen<R>(p, block, row0);
   } else if (p.dtype == kFloat16) {
     block_avx512_float<R, true>(p, block, row0);
@@ -251,16 +253,125 @@ void block_avx512(const Problem& p, int64_t block, int64_t row0, int isa) {
   }
 }
 
+// ---- AVX2 paths ----------------------------------------------------------------------------
+//
+// The same layout and maths as the AVX-512 paths with 8 features a register. AVX2 has 16 ymm
+// registers, not 32 zmm, so a block's 64 features cannot all stay in registers beside more than
+// one row's sums: a pass covers NF registers (8 * NF features) of R rows (1 row: one pass of 8
+// registers; 2-3 rows: two of 4; 4 rows: four of 2). The passes run over kChunkK input features
+// at a time (at most 8 KB of the block), the sums going through L1 between chunks, so the block
+// still streams from memory once, in order, and the passes after the first find it in L1.
+constexpr int64_t kChunkK = 32;  // input features per chunk: even (bf16 pairs)
+
+// The cache lines of `bytes` bytes at `at` into L1: a pass reads only its own columns of each k, a
+// strided walk the hardware prefetcher follows poorly, so each pass asks for its columns of the
+// next chunk itself.
+inline void prefetch_lines(const void* at, int bytes) {
+  for (int offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(static_cast<const char*>(at) + offset, _MM_HINT_T0);
+}
+
+// float32 and float16 weights, packed[block][k][64]: inputs [k0, k1), features 8 * c0 ... of R rows,
+// added to sums[r][f].
+template <int R, int NF, bool kHalf>
+CE_AVX2 void cols_avx2_float(const Problem& p, int64_t block, int64_t row0, int c0, int64_t k0, int64_t k1,
+                             float* sums) {
+  __m256 acc[R][NF];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_loadu_ps(sums + r * kBlock + 8 * (c0 + j));
+  const int64_t k_count = p.k_padded;
+  const float* x0 = p.x_float + row0 * k_count;
+  if constexpr (kHalf) {
+    const uint16_t* w = static_cast<const uint16_t*>(p.packed) + (block * k_count + k0) * kBlock + 8 * c0;
+    for (int64_t k = k0; k < k1; ++k, w += kBlock) {
+      prefetch_lines(w + kChunkK * kBlock, 16 * NF);
+      __m256 wv[NF];
+      for (int j = 0; j < NF; ++j)
+        wv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8 * j)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x0 + r * k_count + k);
+        for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+      }
+    }
+  } else {
+    const float* w = static_cast<const float*>(p.packed) + (block * k_count + k0) * kBlock + 8 * c0;
+    for (int64_t k = k0; k < k1; ++k, w += kBlock) {
+      prefetch_lines(w + kChunkK * kBlock, 32 * NF);
+      for (int j = 0; j < NF; ++j) {
+        const __m256 wv = _mm256_loadu_ps(w + 8 * j);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(x0 + r * k_count + k), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+}
+
+// bfloat16 weights, packed[block][k/2][64][2], widened as block_avx512_bf16_widen does.
+template <int R, int NF>
+CE_AVX2 void cols_avx2_bf16(const Problem& p, int64_t block, int64_t row0, int c0, int64_t k0, int64_t k1,
+                            float* sums) {
+  __m256 acc[R][NF];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_loadu_ps(sums + r * kBlock + 8 * (c0 + j));
+  const int64_t k_count = p.k_padded;
+  const float* x0 = p.x_float + row0 * k_count;
+  const uint16_t* w = static_cast<const uint16_t*>(p.packed) + (block * k_count + k0) * kBlock + 16 * c0;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = k0; k < k1; k += 2, w += 2 * kBlock) {
+    prefetch_lines(w + kChunkK * kBlock, 32 * NF);
+    for (int j = 0; j < NF; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x0 + r * k_count + k), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x0 + r * k_count + k + 1), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+}
+
+using AvxCols = void (*)(const Problem&, int64_t, int64_t, int, int64_t, int64_t, float*);
+
+// One block of R rows: chunk by chunk, 8 / NF passes of `cols` each; then the bias and the dtype.
+template <int R, int NF>
+void block_avx2_passes(const Problem& p, int64_t block, int64_t row0, AvxCols cols) {
+  alignas(32) float sums[R * kBlock] = {};
+  for (int64_t k0 = 0; k0 < p.k_padded; k0 += kChunkK) {
+    const int64_t k1 = std::min(k0 + kChunkK, p.k_padded);
+    for (int c0 = 0; c0 < 8; c0 += NF) cols(p, block, row0, c0, k0, k1, sums);
+  }
+  finish_block(p, block, row0, R, sums);
+}
+
+template <int R, int NF>
+void block_avx2(const Problem& p, int64_t block, int64_t row0) {
+  if (p.dtype == kBFloat16) block_avx2_passes<R, NF>(p, block, row0, cols_avx2_bf16<R, NF>);
+  else if (p.dtype == kFloat16) block_avx2_passes<R, NF>(p, block, row0, cols_avx2_float<R, NF, true>);
+  else block_avx2_passes<R, NF>(p, block, row0, cols_avx2_float<R, NF, false>);
+}
+
 #endif
 
 void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa) {
 #if defined(__x86_64__)
-  if (isa >= 1) {
+  if (isa >= 2) {
     switch (nrows) {
       case 1: return block_avx512<1>(p, block, row0, isa);
       case 2: return block_avx512<2>(p, block, row0, isa);
       case 3: return block_avx512<3>(p, block, row0, isa);
       default: return block_avx512<4>(p, block, row0, isa);
+    }
+  }
+  if (isa == 1) {
+    switch (nrows) {
+      case 1: return block_avx2<1, 8>(p, block, row0);
+      case 2: return block_avx2<2, 4>(p, block, row0);
+      case 3: return block_avx2<3, 4>(p, block, row0);
+      default: return block_avx2<4, 2>(p, block, row0);
     }
   }
 #endif
@@ -279,7 +390,7 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
   const int64_t k_padded = in_features + (in_features & 1);
   // x once, padded with a zero k where in_features is odd: float32 for the float paths, bf16
   // (the pairs vdpbf16ps broadcasts) for the dot path.
-  const bool dot = dtype == kBFloat16 && isa >= 2;
+  const bool dot = dtype == kBFloat16 && isa >= 3;
   std::vector<float> x_float(dot ? 0 : rows * k_padded, 0.0f);
   std::vector<uint16_t> x_bf16(dot ? rows * k_padded : 0, 0);
   for (int64_t r = 0; r < rows; ++r) {

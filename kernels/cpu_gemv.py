@@ -7,7 +7,7 @@ multiply-sum lowering (graphs/passes/gemv_lowering.py) reduces along each output
 This kernel reads a copy of the weight packed once into the layout the .cpp header describes
 (64 output features side by side per k, pairs of k for bf16), on every core (OpenMP over blocks
 of 64 features), with AVX-512 BF16's `vdpbf16ps` where the CPU has it, AVX-512F widening
-otherwise, and plain C++ loops on CPUs without AVX-512.
+otherwise, AVX2 + FMA + F16C on CPUs without AVX-512, and plain C++ loops on the rest.
 
 As for kernels/onednn_linear.py, the graph keeps the plain weight as its input (compiled
 artifacts hold code only, graphs/constant_recipes.py) and `PACKED_GEMV_WEIGHTS` keeps the packed
@@ -41,9 +41,16 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Output features per packed block (kBlock in the .cpp).
 BLOCK = 64
 
-# Instruction-set paths of the kernel (`isa` in the .cpp), best last.
-ISA_PORTABLE, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2
-ISA_NAMES = {ISA_PORTABLE: "portable C++", ISA_AVX512: "AVX-512F", ISA_AVX512_BF16: "AVX-512 BF16"}
+# Instruction-set paths of the kernel (`isa` in the .cpp), best last: a CPU that runs one runs every
+# one before it.
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
+ISA_NAMES = {
+    ISA_PORTABLE: "portable C++",
+    ISA_AVX2: "AVX2",
+    ISA_AVX512: "AVX-512F",
+    ISA_AVX512_BF16: "AVX-512 BF16",
+}
+_AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma"})
 
 
@@ -60,13 +67,13 @@ def _cpu_flags() -> frozenset[str]:
 def isa_for_flags(flags: frozenset[str]) -> int:
     """The fastest kernel path a CPU with these /proc/cpuinfo flags runs."""
     if not _AVX512_FLAGS <= flags:
-        return ISA_PORTABLE
+        return ISA_AVX2 if _AVX2_FLAGS <= flags else ISA_PORTABLE
     return ISA_AVX512_BF16 if "avx512_bf16" in flags else ISA_AVX512
 
 
 @cache
 def best_isa() -> int:
-    """The fastest kernel path this CPU runs: AVX-512 BF16, AVX-512F, else portable loops."""
+    """The fastest kernel path this CPU runs: AVX-512 BF16, AVX-512F, AVX2, else portable loops."""
     return isa_for_flags(_cpu_flags())
 
 

@@ -17,8 +17,11 @@
 // out_features are packed as zeros. int4 sums q * x per group in float32, then adds
 // scale * that sum + offset * (sum of the group's x). Accumulation is float32 in every path.
 //
-// Paths (`isa`): >= 1 = AVX-512F (the integers widened with vpmovsxbd / vpmovzxbd), 0 = plain C++
-// loops over the same layout. The caller picks the best this CPU has; tests force the portable one.
+// Paths (`isa`, numbered as kernels/cpu_gemv.cpp's): >= 2 = AVX-512F (the integers widened with
+// vpmovsxbd / vpmovzxbd; VNNI where the build has it, see below), 1 = AVX2 + FMA (the same widening
+// 8 features a register), 0 = plain C++ loops over the same layout. The caller picks the best this
+// CPU has; tests force the others. The many-rows entry points (ce_cpu_gemm_*) add the AMX tile path
+// (4) and, on AVX2, a path that dequantizes each block once per call (the AVX2 section says why).
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +34,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+#define CE_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace {
@@ -330,6 +334,180 @@ CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
 }
 #endif
 
+// ---- AVX2 paths ----------------------------------------------------------------------------
+//
+// The GEMV: as the AVX-512 paths, 8 features a register, organised as kernels/cpu_gemv.cpp's AVX2
+// paths: a pass covers NF registers (8 * NF features) of R rows, a block takes 8 / NF passes per
+// chunk of input features (int8: kGemvChunkK of them, 4 KB; int4: one quantization group), and
+// the sums go through L1 between chunks, so the integers stream from memory once, in order. int8
+// sums q * x and scales in finish_block; int4 sums a group's q * x in registers, then folds in the
+// group's scale and offset. Each k's 64 bytes are one cache line, which the first pass asks for a
+// chunk ahead (the later passes read the same lines, then in L1).
+constexpr int64_t kGemvChunkK = 64;
+
+// int8, packed[block][k][64]: inputs [k0, k1), q * x added to sums[r][8 * c0 ...].
+template <int R, int NF>
+CE_AVX2 void int8_cols_avx2(const Problem& p, int64_t block, int64_t row0, int c0, int64_t k0, int64_t k1,
+                            float* sums) {
+  __m256 acc[R][NF];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_loadu_ps(sums + r * kBlock + 8 * (c0 + j));
+  const int64_t k_count = p.in_features;
+  const float* x0 = p.x + row0 * k_count;
+  const int8_t* w = static_cast<const int8_t*>(p.packed) + (block * k_count + k0) * kBlock + 8 * c0;
+  for (int64_t k = k0; k < k1; ++k, w += kBlock) {
+    if (c0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kGemvChunkK * kBlock), _MM_HINT_T0);
+    for (int j = 0; j < NF; ++j) {
+      const __m256 wv = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * j))));
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(x0 + r * k_count + k), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+}
+
+// int4, packed[block][k / 2][64]: group g's q * x in registers, then sums += scale * that + offset
+// * (the group's x sum), the dequantized weights' product.
+template <int R, int NF>
+CE_AVX2 void int4_cols_avx2(const Problem& p, int64_t block, int64_t row0, int c0, int64_t g, float* sums) {
+  const int64_t k_count = p.in_features;
+  const int64_t groups = k_count / p.group_size;
+  const int64_t k_first = g * p.group_size;
+  const float* x0 = p.x + row0 * k_count;
+  const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (k_count / 2) + k_first / 2) * kBlock + 8 * c0;
+  const int64_t ahead = p.group_size / 2 * kBlock;  // the next group, same columns
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  __m256 acc[R][NF];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = k_first; k < k_first + p.group_size; k += 2, w += kBlock) {
+    if (c0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T0);
+    for (int j = 0; j < NF; ++j) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * j));
+      const __m256 even = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low_mask)));
+      const __m256 odd = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low_mask)));
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x0 + r * k_count + k), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x0 + r * k_count + k + 1), acc[r][j]);
+      }
+    }
+  }
+  const float* scales = p.scales + (block * groups + g) * kBlock + 8 * c0;
+  const float* offsets = p.offsets + (block * groups + g) * kBlock + 8 * c0;
+  for (int j = 0; j < NF; ++j) {
+    const __m256 scale = _mm256_loadu_ps(scales + 8 * j);
+    const __m256 offset = _mm256_loadu_ps(offsets + 8 * j);
+    for (int r = 0; r < R; ++r) {
+      float* out = sums + r * kBlock + 8 * (c0 + j);
+      const __m256 x_sum = _mm256_broadcast_ss(p.x_sums + (row0 + r) * groups + g);
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[r][j], scale, _mm256_fmadd_ps(offset, x_sum, _mm256_loadu_ps(out))));
+    }
+  }
+}
+
+template <int R, int NF, bool kInt4>
+void block_avx2(const Problem& p, int64_t block, int64_t row0) {
+  alignas(32) float sums[R * kBlock] = {};
+  if constexpr (kInt4) {
+    for (int64_t g = 0; g < p.in_features / p.group_size; ++g)
+      for (int c0 = 0; c0 < 8; c0 += NF) int4_cols_avx2<R, NF>(p, block, row0, c0, g, sums);
+  } else {
+    for (int64_t k0 = 0; k0 < p.in_features; k0 += kGemvChunkK) {
+      const int64_t k1 = std::min(k0 + kGemvChunkK, p.in_features);
+      for (int c0 = 0; c0 < 8; c0 += NF) int8_cols_avx2<R, NF>(p, block, row0, c0, k0, k1, sums);
+    }
+  }
+  finish_block(p, block, row0, R, sums, !kInt4);
+}
+
+// Many rows (ce_cpu_gemm_* on AVX2, where there are no tiles): past a few rows the GEMV's cost is
+// widening the integers again for every 4 rows, not reading them. This path dequantizes kChunkK
+// input features of a 64-output block to float32 once (8 KB, in L1: int8 as q, its scale applied
+// at the end; int4 as q * scale + offset) and multiplies up to kSlabRows rows by them, 4 rows x 16
+// outputs in registers at a time, with the rows' sums [rows][64] kept in L1 between chunks. The
+// integers are read and widened once per kSlabRows rows, and the rest is multiply-adds.
+constexpr int64_t kChunkK = 32;
+constexpr int64_t kSlabRows = 64;
+
+template <bool kInt4>
+CE_AVX2 void dequantize_chunk_avx2(const Problem& p, int64_t block, int64_t k0, int64_t kc, float* chunk) {
+  const int64_t k_count = p.in_features;
+  if constexpr (kInt4) {  // k0 and kc even (kChunkK and in_features are), a pair in one group
+    const int64_t groups = k_count / p.group_size;
+    const __m128i low_mask = _mm_set1_epi8(0x0F);
+    for (int64_t k = k0; k < k0 + kc; k += 2) {
+      const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (k_count / 2) + k / 2) * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(w + kChunkK / 2 * kBlock), _MM_HINT_T0);
+      const int64_t at = (block * groups + k / p.group_size) * kBlock;
+      float* even = chunk + (k - k0) * kBlock;
+      for (int j = 0; j < 8; ++j) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * j));
+        const __m256 scale = _mm256_loadu_ps(p.scales + at + 8 * j);
+        const __m256 offset = _mm256_loadu_ps(p.offsets + at + 8 * j);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low_mask)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low_mask)));
+        _mm256_store_ps(even + 8 * j, _mm256_fmadd_ps(lo, scale, offset));
+        _mm256_store_ps(even + kBlock + 8 * j, _mm256_fmadd_ps(hi, scale, offset));
+      }
+    }
+  } else {
+    for (int64_t k = k0; k < k0 + kc; ++k) {
+      const int8_t* w = static_cast<const int8_t*>(p.packed) + (block * k_count + k) * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(w + kChunkK * kBlock), _MM_HINT_T0);
+      for (int j = 0; j < 8; ++j)
+        _mm256_store_ps(chunk + (k - k0) * kBlock + 8 * j,
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * j)))));
+    }
+  }
+}
+
+// sums[r][64] += x[r][0..kc) . chunk[0..kc)[64] for R rows (x row stride x_stride).
+template <int R>
+CE_AVX2 void rows_times_chunk_avx2(const float* chunk, int64_t kc, const float* x, int64_t x_stride, float* sums) {
+  for (int c0 = 0; c0 < 8; c0 += 2) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_loadu_ps(sums + r * kBlock + 8 * (c0 + j));
+    const float* w = chunk + 8 * c0;
+    for (int64_t kk = 0; kk < kc; ++kk, w += kBlock) {
+      const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
+        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+  }
+}
+
+// One block, all rows; `sums` holds kSlabRows * 64 floats.
+template <bool kInt4>
+void many_rows_block_avx2(const Problem& p, int64_t block, float* sums) {
+  alignas(32) float chunk[kChunkK * kBlock];
+  const int64_t k_count = p.in_features;
+  for (int64_t slab = 0; slab < p.rows; slab += kSlabRows) {
+    const int64_t rows = std::min(kSlabRows, p.rows - slab);
+    std::fill(sums, sums + rows * kBlock, 0.0f);
+    for (int64_t k0 = 0; k0 < k_count; k0 += kChunkK) {
+      const int64_t kc = std::min(kChunkK, k_count - k0);
+      dequantize_chunk_avx2<kInt4>(p, block, k0, kc, chunk);
+      for (int64_t r = 0; r < rows; r += 4) {
+        const float* x = p.x + (slab + r) * k_count + k0;
+        float* s = sums + r * kBlock;
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 1: rows_times_chunk_avx2<1>(chunk, kc, x, k_count, s); break;
+          case 2: rows_times_chunk_avx2<2>(chunk, kc, x, k_count, s); break;
+          case 3: rows_times_chunk_avx2<3>(chunk, kc, x, k_count, s); break;
+          default: rows_times_chunk_avx2<4>(chunk, kc, x, k_count, s); break;
+        }
+      }
+    }
+    finish_block(p, block, slab, static_cast<int>(rows), sums, !kInt4);
+  }
+}
 
 // ---- the tile path: many rows through AMX -------------------------------------------------------
 //
@@ -572,7 +750,15 @@ CE_AMX int run_tiles(const Problem& p, bool int4, const void* x, int64_t x_strid
 template <bool kInt4>
 void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa) {
 #if defined(__x86_64__)
-  if (isa >= 1) {
+  if (isa == 1) {
+    switch (nrows) {
+      case 1: return block_avx2<1, 8, kInt4>(p, block, row0);
+      case 2: return block_avx2<2, 4, kInt4>(p, block, row0);
+      case 3: return block_avx2<3, 4, kInt4>(p, block, row0);
+      default: return block_avx2<4, 2, kInt4>(p, block, row0);
+    }
+  }
+  if (isa >= 2) {
     if constexpr (kInt4) {
 #if defined(__AVX512VNNI__)
       if (p.x16 != nullptr) {
@@ -617,7 +803,7 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 template <bool kInt4>
 int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
         const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-        int64_t out_features, int dtype, int isa, int num_threads) {
+        int64_t out_features, int dtype, int isa, int num_threads, bool many_rows = false) {
   if (rows < 0 || in_features < 1 || out_features < 1 || dtype < 0 || dtype > 2) return 1;
   if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
   if (rows == 0) return 0;
@@ -637,7 +823,7 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
 #if defined(__x86_64__) && defined(__AVX512VNNI__)
-  if (isa >= 1 && dtype != kFloat32 && in_features % 2 == 0) {
+  if (isa >= 2 && dtype != kFloat32 && in_features % 2 == 0) {
     const int64_t chunk_size = kInt4 ? group_size : kVnniChunk;  // int4: one scale per group
     const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
     x16.resize(rows * in_features);
@@ -660,6 +846,17 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
             bias, out, in_features, out_features, dtype};
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#if defined(__x86_64__)
+  if (many_rows && isa == 1) {
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<float> sums(std::min(kSlabRows, rows) * kBlock);
+#pragma omp for schedule(static)
+      for (int64_t block = 0; block < blocks; ++block) many_rows_block_avx2<kInt4>(p, block, sums.data());
+    }
+    return 0;
+  }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t block = 0; block < blocks; ++block)
     for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows)
@@ -667,13 +864,14 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   return 0;
 }
 
-// The tile path (`isa` >= 3) where this build and CPU have AMX and x is bf16; the GEMV's otherwise.
+// The tile path (`isa` >= 4) where this build and CPU have AMX and x is bf16; on AVX2 (`isa` 1) the
+// dequantize-once path (many_rows_block_avx2); the GEMV's otherwise.
 template <bool kInt4>
 int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                   const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
                   int64_t out_features, int dtype, int isa, int num_threads) {
 #if defined(CE_AMX_AVAILABLE)
-  if (isa >= 3 && dtype == kBFloat16 && rows > 0 && in_features > 0 && out_features > 0 && amx_permitted()) {
+  if (isa >= 4 && dtype == kBFloat16 && rows > 0 && in_features > 0 && out_features > 0 && amx_permitted()) {
     if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
     const Problem p{nullptr, nullptr, nullptr, nullptr, rows, packed, scales, offsets, group_size,
                     bias, out, in_features, out_features, dtype};
@@ -681,7 +879,7 @@ int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* pac
   }
 #endif
   return run<kInt4>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features, out_features,
-                    dtype, std::min(isa, 2), num_threads);
+                    dtype, std::min(isa, 3), num_threads, true);
 }
 
 }  // namespace
@@ -697,7 +895,8 @@ int ce_cpu_gemm_tiles_available() {
 #endif
 }
 
-// As ce_cpu_gemv_int8 / _int4, for many rows: `isa` 3 takes the tile path (see run_many_rows).
+// As ce_cpu_gemv_int8 / _int4, for many rows: `isa` 4 takes the tile path, 1 the AVX2 dequantize-once
+// one (see run_many_rows).
 int ce_cpu_gemm_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
                      int num_threads) {

@@ -1,8 +1,9 @@
 """`compiled_engine::cpu_gemv_int8` / `cpu_gemv_int4`: quantized linears for a few token rows
 through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight variants; and
-`cpu_gemm_int8` / `cpu_gemm_int4`, the same maths for many rows on the kernel's tile path (each
+`cpu_gemm_int8` / `cpu_gemm_int4`, the same maths for many rows: on the kernel's tile path (each
 64-output block dequantized to bf16 once and multiplied with every row on AMX; bf16 activations on
-a CPU with AMX BF16, else they run the GEMV's loops).
+a CPU with AMX BF16), on CPUs with AVX2 but no AVX-512 its dequantize-once path (a block's chunk
+dequantized to float32 in L1 once per call and multiplied with every row), else the GEMV's loops.
 
 Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
 the other (graphs/passes/cpu_gemv_quantized.py) in the buckets where the GEMV policy measured this
@@ -28,9 +29,9 @@ import torch.nn.functional as F
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.cpu_gemv import (
     BLOCK,
+    ISA_AVX2,
     ISA_AVX512,
     ISA_NAMES,
-    ISA_PORTABLE,
     best_isa,
     kernel_available,
 )
@@ -74,7 +75,7 @@ def cpu_gemv_quantized_available(dtype: torch.dtype, device: torch.device | str 
 
 
 # The tile path's `isa` (above the GEMV's ISA_* of kernels/cpu_gemv.py): AMX BF16.
-ISA_AMX = 3
+ISA_AMX = 4
 
 
 @cache
@@ -86,9 +87,18 @@ def tiles_available() -> bool:
         return False
 
 
+def many_rows_path_available() -> bool:
+    """Whether the many-rows ops take the AVX2 dequantize-once path here: AVX2 is this CPU's best
+    path (CPUs with AVX-512 keep the tiles or the GEMV's loops there)."""
+    return best_isa() == ISA_AVX2
+
+
 def cpu_gemm_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether `cpu_gemm_int8` / `_int4` take the tile path for `dtype` activations on `device`."""
-    return dtype == torch.bfloat16 and cpu_gemv_quantized_available(dtype, device) and tiles_available()
+    """Whether `cpu_gemm_int8` / `_int4` have a many-rows path for `dtype` activations on `device`:
+    the tiles (bf16, AMX) or the AVX2 dequantize-once path (any activation dtype)."""
+    if not cpu_gemv_quantized_available(dtype, device):
+        return False
+    return (dtype == torch.bfloat16 and tiles_available()) or many_rows_path_available()
 
 
 def _blocks(rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -189,8 +199,8 @@ def _checked_rows(x: torch.Tensor, in_features: int, isa: int | None) -> tuple[t
     rows = x.reshape(-1, in_features)
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    # The kernels have AVX-512F and portable paths only (no BF16 dot product: the weights are integers).
-    return rows, ISA_AVX512 if chosen >= ISA_AVX512 else ISA_PORTABLE
+    # The kernels have AVX-512F, AVX2 and portable paths (no BF16 dot product: the weights are integers).
+    return rows, min(chosen, ISA_AVX512)
 
 
 def _paths(x: torch.Tensor, in_features: int, isa: int | None, tiles: bool) -> tuple[torch.Tensor, int]:

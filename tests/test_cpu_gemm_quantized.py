@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemmQuantized
-from compiled_engine.kernels.cpu_gemv import ISA_AVX512, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.cpu_gemv import ISA_AVX2, ISA_AVX512, ISA_PORTABLE, best_isa
 from compiled_engine.kernels.cpu_gemv_quantized import (
     ISA_AMX,
     cpu_gemm_int4,
@@ -18,6 +18,7 @@ from compiled_engine.kernels.cpu_gemv_quantized import (
     cpu_gemm_int8_linear,
     cpu_gemm_quantized_available,
     cpu_gemv_quantized_available,
+    many_rows_path_available,
     tiles_available,
 )
 from compiled_engine.kernels.quantized_linear import int4_weight_linear, int8_weight_linear
@@ -25,8 +26,9 @@ from compiled_engine.kernels.weight_quantization import dequantize, quantize_int
 
 pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32), reason="no C++ compiler")
 
-# The tile path where it runs, and the GEMV paths the ops take without it.
-ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX512) if isa <= best_isa()]
+# The tile path where it runs, and the GEMV paths the ops take without it (ISA_AVX2: the
+# dequantize-once path on a CPU whose best path is AVX2, else the AVX2 GEMV).
+ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()]
 ISAS += [ISA_AMX] if tiles_available() else []
 ROWS = (1, 3, 16, 64, 100)
 # (in_features, out_features): in_features not a multiple of the tiles' 32 (int8), out_features
@@ -77,11 +79,12 @@ def test_int4_matches_the_dequantized_linear(isa, rows, in_features, out_feature
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_other_activation_dtypes_take_the_gemv(dtype) -> None:
-    # The tiles take bf16 only; the op still gives the linear for the others (on the GEMV's loops).
+    # The tiles take bf16 only; the op still gives the linear for the others (on the GEMV's loops,
+    # or on an AVX2-only CPU the dequantize-once path, which takes every activation dtype).
     x = torch.randn(20, 64).to(dtype)
     q = quantize_int8(torch.randn(70, 64).to(dtype))
     _check(cpu_gemm_int8_linear(x, q.qweight, q.scales), x, F.linear(x.float(), dequantize(q)))
-    assert not cpu_gemm_quantized_available(dtype)
+    assert cpu_gemm_quantized_available(dtype) == many_rows_path_available()
 
 
 def test_the_ops_agree_with_torchs_kernels_and_the_pass_swaps_them() -> None:

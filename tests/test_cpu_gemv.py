@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from compiled_engine.kernels import cpu_gemv as gemv
 from compiled_engine.kernels.cpu_gemv import (
+    ISA_AVX2,
     ISA_AVX512,
     ISA_AVX512_BF16,
     ISA_PORTABLE,
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(not cpu_gemv_available(torch.float32), reason="n
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every path this CPU runs; forcing the lower ones is how a CPU without them is covered.
-ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX512, ISA_AVX512_BF16) if isa <= best_isa()]
+ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16) if isa <= best_isa()]
 # (rows, in_features, out_features): odd sizes, none a multiple of 16 or 32, past one 64-feature
 # block and past the kernel's 4 rows per pass.
 SHAPES = [(1, 33, 70), (2, 129, 200), (3, 7, 5), (5, 515, 131), (6, 64, 64)]
@@ -85,7 +86,8 @@ def test_isa_follows_the_cpu_flags() -> None:
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma"}
     assert isa_for_flags(frozenset(avx512 | {"avx512_bf16"})) == ISA_AVX512_BF16
     assert isa_for_flags(frozenset(avx512)) == ISA_AVX512  # no AVX-512 BF16: the widening path
-    assert isa_for_flags(frozenset({"avx2", "fma", "f16c"})) == ISA_PORTABLE
+    assert isa_for_flags(frozenset({"avx2", "fma", "f16c"})) == ISA_AVX2  # no AVX-512: the AVX2 path
+    assert isa_for_flags(frozenset({"avx2", "fma"})) == ISA_PORTABLE  # no F16C
     assert isa_for_flags(frozenset()) == ISA_PORTABLE
 
 

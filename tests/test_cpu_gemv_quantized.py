@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.kernels.cpu_gemv import ISA_AVX512, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.cpu_gemv import ISA_AVX2, ISA_AVX512, ISA_PORTABLE, best_isa
 from compiled_engine.kernels.cpu_gemv_quantized import (
     PACKED_QUANTIZED_WEIGHTS,
     cpu_gemv_int4,
@@ -22,7 +22,7 @@ from compiled_engine.kernels.weight_quantization import dequantize, quantize_int
 pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32), reason="no C++ compiler")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX512) if isa <= best_isa()]
+ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()]
 # (rows, in_features, out_features): out_features past one 64-feature block and not a multiple
 # of it, rows past the kernel's 4 per pass.
 INT8_SHAPES = [(1, 33, 70), (2, 129, 200), (3, 7, 5), (5, 515, 131)]
