@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compiled_engine.records.draft_proposer import DraftProposal, DraftSampling
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.model_runner import ModelRunner
@@ -48,8 +49,14 @@ class DraftModelProposer:
         self.num_steps = 0  # draft steps run, over its life (tests, stats)
 
     def propose(
-        self, request_id: str, token_ids: np.ndarray, block_ids: Sequence[int], num_tokens: int
-    ) -> tuple[int, ...]:
+        self,
+        request_id: str,
+        token_ids: np.ndarray,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling = DraftSampling(),
+    ) -> DraftProposal:
+        """The draft's argmax proposals whatever `sampling` says: point masses (probs None)."""
         length = len(token_ids)
         blocks = tuple(block_ids)
         start = min(self._valid_prefix(request_id, token_ids, blocks), length - 1)
@@ -67,7 +74,7 @@ class DraftModelProposer:
         # The last proposal was sampled, never fed: its k/v are not in the cache.
         written = np.concatenate((token_ids, np.asarray(proposals[:-1], dtype=token_ids.dtype)))
         self._written[request_id] = _Written(written, blocks)
-        return tuple(proposals)
+        return DraftProposal(tuple(proposals))
 
     def forget(self, request_ids: Collection[str]) -> None:
         for request_id in request_ids:
