@@ -157,10 +157,13 @@ def windows_loss(model: LlamaForCausalLM, windows: torch.Tensor, bf16: bool = Tr
 
 
 @torch.no_grad()
-def validation_loss(model: LlamaForCausalLM, val_windows: torch.Tensor, batch: int, bf16: bool = True) -> float:
+def validation_loss(
+    model: LlamaForCausalLM, val_windows: torch.Tensor, batch: int, bf16: bool = True
+) -> float:
     model.eval()
     losses = [
-        windows_loss(model, val_windows[i : i + batch], bf16).item() for i in range(0, len(val_windows), batch)
+        windows_loss(model, val_windows[i : i + batch], bf16).item()
+        for i in range(0, len(val_windows), batch)
     ]
     model.train()
     return sum(losses) / len(losses)

@@ -236,11 +236,15 @@ def _two_position_trial_drawn(logits: torch.Tensor, draft_logits: torch.Tensor, 
     distributions q = softmax(draft_logits) [2, vocab], which the verifier is given."""
     gen = torch.Generator().manual_seed(seed)
     q = draft_logits.softmax(dim=-1)
-    drawn = torch.stack([torch.multinomial(q[i], TRIALS, replacement=True, generator=gen) for i in range(2)], 1)
+    drawn = torch.stack(
+        [torch.multinomial(q[i], TRIALS, replacement=True, generator=gen) for i in range(2)], 1
+    )
     params = SamplingTensors.build(
         [SamplingParams(temperature=1.0)] * (2 * TRIALS), [None] * (2 * TRIALS), "cpu", default_generator=gen
     )
-    accepted, recovered = verify_proposals(logits[:2].repeat(TRIALS, 1), drawn.reshape(-1), params, q.repeat(TRIALS, 1))
+    accepted, recovered = verify_proposals(
+        logits[:2].repeat(TRIALS, 1), drawn.reshape(-1), params, q.repeat(TRIALS, 1)
+    )
     accepted = accepted.view(TRIALS, 2).numpy()
     recovered = recovered.view(TRIALS, 2).numpy()
     bonus = torch.multinomial(logits[2].softmax(dim=-1), TRIALS, replacement=True, generator=gen).numpy()

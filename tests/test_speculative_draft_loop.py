@@ -83,7 +83,10 @@ def test_catch_up_after_a_partial_acceptance_and_after_losing_the_slot(tiny):
     proposer.forget(("a", "b"))
     # A one-token sequence.
     expected3, _ = _greedy_continuation(tiny, [1], K)
-    assert list(proposer.propose("c", np.array([1], dtype=np.int64), (), K, DraftSampling()).token_ids) == expected3
+    assert (
+        list(proposer.propose("c", np.array([1], dtype=np.int64), (), K, DraftSampling()).token_ids)
+        == expected3
+    )
 
 
 def test_seeded_draws_repeat_and_differ_between_seeds(tiny):
@@ -114,7 +117,13 @@ def test_sampled_requests_send_the_drafts_q_to_the_verifier(llama_dir, tmp_path)
     from tests.test_speculative_draft_model import draft, truncated_draft
 
     draft_dir = truncated_draft(llama_dir, tmp_path / "draft")
-    llm = LLM(llama_dir, dtype="float32", enforce_eager=True, max_model_len=128, speculative_config=draft(draft_dir, 3))
+    llm = LLM(
+        llama_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        speculative_config=draft(draft_dir, 3),
+    )
     seen: list[np.ndarray] = []
     runner = llm.engine.model_runner
     launch = runner.launch

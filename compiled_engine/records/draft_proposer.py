@@ -23,6 +23,9 @@ class DraftSampling(NamedTuple):
     num_output_tokens: int = 0
 
 
+GREEDY_DRAFT = DraftSampling()
+
+
 class DraftProposal(NamedTuple):
     token_ids: tuple[int, ...]
     # [len(token_ids), vocab] float32: the distribution q each proposal was drawn from, which the

@@ -110,7 +110,9 @@ class DraftDecoder:
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self._greedy_noise = torch.ones(1, num_proposals, self.embed.shape[0], device=device)
         self._propose = (
-            torch.compile(self._propose_eager, fullgraph=True, dynamic=False) if compiled else self._propose_eager
+            torch.compile(self._propose_eager, fullgraph=True, dynamic=False)
+            if compiled
+            else self._propose_eager
         )
 
     @property
@@ -129,7 +131,12 @@ class DraftDecoder:
 
     @torch.inference_mode()
     def propose(
-        self, slot: int, last_two: tuple[int, int], position: int, temperature: float, noise: torch.Tensor | None
+        self,
+        slot: int,
+        last_two: tuple[int, int],
+        position: int,
+        temperature: float,
+        noise: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `last_two` (the sequence's last two tokens; the second at `position`; twice the
         only one at position 0 for a one-token sequence), then k one-token steps. Returns the k
@@ -141,7 +148,13 @@ class DraftDecoder:
         slots = torch.tensor([slot], device=self.device)
         temp = torch.tensor([temperature], device=self.device, dtype=torch.float32)
         drafts, probs = self._propose(
-            tokens, positions, slots, temp, self._greedy_noise if noise is None else noise, self.k_cache, self.v_cache
+            tokens,
+            positions,
+            slots,
+            temp,
+            self._greedy_noise if noise is None else noise,
+            self.k_cache,
+            self.v_cache,
         )
         return drafts[0], probs[0]
 

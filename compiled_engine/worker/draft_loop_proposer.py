@@ -24,7 +24,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from compiled_engine.records.draft_proposer import DraftProposal, DraftSampling
+from compiled_engine.records.draft_proposer import GREEDY_DRAFT, DraftProposal, DraftSampling
 from compiled_engine.worker.draft_decoder import DraftDecoder
 
 # A seeded request's draft draws use a stream of their own (not its sampling or acceptance ones).
@@ -48,7 +48,7 @@ class DraftLoopProposer:
         token_ids: np.ndarray,
         block_ids: Sequence[int],
         num_tokens: int,
-        sampling: DraftSampling = DraftSampling(),
+        sampling: DraftSampling = GREEDY_DRAFT,
     ) -> DraftProposal:
         k = self.decoder.num_proposals
         if not 1 <= num_tokens <= k:
@@ -70,7 +70,9 @@ class DraftLoopProposer:
         self.num_steps += 1
         proposals = drafts.tolist()
         # The call fed every proposal but the last: the slot holds their k/v too.
-        self._written[request_id] = np.concatenate((token_ids, np.asarray(proposals[:-1], dtype=token_ids.dtype)))
+        self._written[request_id] = np.concatenate(
+            (token_ids, np.asarray(proposals[:-1], dtype=token_ids.dtype))
+        )
         chosen = tuple(proposals[:num_tokens])
         if not sampled:
             return DraftProposal(chosen)

@@ -1,4 +1,5 @@
-"""Speculative decoding's `draft_model` method: a smaller model proposes a request's next tokens.
+"""Speculative decoding's `draft_model` method for drafts the tight loop cannot run (not
+Llama-family: worker/draft_decoder.py `supports`; engine/draft_model.py picks).
 
 The draft is a second `ModelRunner` — its own step graph (the target's compile route: buckets,
 cache entry, CUDA graphs), its own paged KV cache — driven one request at a time with the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiled_engine.records.draft_proposer import DraftProposal, DraftSampling
+from compiled_engine.records.draft_proposer import GREEDY_DRAFT, DraftProposal, DraftSampling
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.model_runner import ModelRunner
@@ -54,7 +55,7 @@ class DraftModelProposer:
         token_ids: np.ndarray,
         block_ids: Sequence[int],
         num_tokens: int,
-        sampling: DraftSampling = DraftSampling(),
+        sampling: DraftSampling = GREEDY_DRAFT,
     ) -> DraftProposal:
         """The draft's argmax proposals whatever `sampling` says: point masses (probs None)."""
         length = len(token_ids)

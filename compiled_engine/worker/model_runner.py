@@ -323,7 +323,14 @@ class ModelRunner:
                     _copy_logprobs(slot.buffers.sample_logprobs, results)
                 if staged.num_proposal_rows:
                     self._verify_proposals(
-                        logits, inputs, staged, slot, tensors, proposal_generators, proposal_masks, draft_probs
+                        logits,
+                        inputs,
+                        staged,
+                        slot,
+                        tensors,
+                        proposal_generators,
+                        proposal_masks,
+                        draft_probs,
                     )
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows
