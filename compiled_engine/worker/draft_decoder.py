@@ -33,7 +33,9 @@ def supports(model: PreTrainedModel, max_len: int) -> bool:
     """Whether this decoder can run `model` for sequences of up to `max_len` tokens."""
     config = model.config
     window = getattr(config, "sliding_window", None)
-    windowed = bool(window) and getattr(config, "use_sliding_window", True) and window < max_len
+    windowed = (
+        window is not None and window > 0 and getattr(config, "use_sliding_window", True) and window < max_len
+    )
     return (
         config.model_type in SUPPORTED_MODEL_TYPES
         and getattr(config, "hidden_act", "silu") == "silu"
@@ -75,8 +77,8 @@ class DraftDecoder:
         self.num_proposals = num_proposals
         self.max_len = max_len
 
-        def w(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=dtype).contiguous()
 
         body = model.model
         self.embed = w(body.embed_tokens.weight)
@@ -208,7 +210,7 @@ class DraftDecoder:
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q, k, v = q.view(b, t, nh, hd), k.view(b, t, nkv, hd), v.view(b, t, nkv, hd)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k_cache[index].index_put_((rows, positions), k)
