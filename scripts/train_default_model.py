@@ -150,17 +150,20 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def windows_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def windows_loss(model: LlamaForCausalLM, windows: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=windows[:, :-1]).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
 
 
 @torch.no_grad()
-def validation_loss(model: LlamaForCausalLM, val_windows: torch.Tensor, batch: int) -> float:
+def validation_loss(
+    model: LlamaForCausalLM, val_windows: torch.Tensor, batch: int, bf16: bool = True
+) -> float:
     model.eval()
     losses = [
-        windows_loss(model, val_windows[i : i + batch]).item() for i in range(0, len(val_windows), batch)
+        windows_loss(model, val_windows[i : i + batch], bf16).item()
+        for i in range(0, len(val_windows), batch)
     ]
     model.train()
     return sum(losses) / len(losses)
@@ -215,6 +218,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--fp32",
+        action="store_true",
+        help="train in float32 instead of bfloat16 autocast (CPUs without native bf16 matmuls: faster)",
+    )
     return parser.parse_args()
 
 
@@ -260,7 +268,7 @@ def main() -> None:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(0, len(train_ids) - span, (args.batch,), generator=batch_rng)
         windows = torch.stack([train_ids[s : s + span] for s in starts.tolist()])
-        loss = windows_loss(model, windows)
+        loss = windows_loss(model, windows, not args.fp32)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,7 +276,7 @@ def main() -> None:
         history["train_steps"].append(step + 1)
         history["train_loss"].append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val = validation_loss(model, val_windows, args.batch)
+            val = validation_loss(model, val_windows, args.batch, not args.fp32)
             history["val_steps"].append(step + 1)
             history["val_loss"].append(val)
             elapsed = time.perf_counter() - train_started

@@ -162,15 +162,15 @@ def _two_position_trial(logits: torch.Tensor, proposed: tuple[int, int], seed: i
     return emitted
 
 
-def _always_accept(probs, proposed):
+def _always_accept(probs, proposed, draft_probs=None):
     return torch.ones(probs.shape[0])
 
 
-def _keep_proposed_in_residual(probs, proposed):
+def _keep_proposed_in_residual(probs, proposed, draft_probs=None):
     return probs  # resample from the whole target: the proposed token is over-represented
 
 
-def _accept_at_half_probability(probs, proposed):
+def _accept_at_half_probability(probs, proposed, draft_probs=None):
     return probs.gather(1, proposed[:, None]).squeeze(1) / 2
 
 
@@ -210,6 +210,94 @@ def test_rejection_sampling_keeps_the_target_distribution(rule, monkeypatch):
         assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
     else:
         assert min(p_first, p_second) < 1e-6, (p_first, p_second)
+
+
+# Proposals drawn from a draft's own distribution q (min(1, p/q) and the max(0, p - q) residual).
+_POINT_MASS_ACCEPTANCE = spec_verifier.acceptance_probability
+_POINT_MASS_RESIDUAL = spec_verifier.residual_probs
+
+DRAWN_RULES = {
+    "correct": None,
+    # The point-mass rule applied to drawn proposals: keep d with p(d), ignoring q.
+    "ignores_q": (
+        "acceptance_probability",
+        lambda probs, proposed, draft_probs=None: _POINT_MASS_ACCEPTANCE(probs, proposed),
+    ),
+    "residual_ignores_q": (
+        "residual_probs",
+        lambda probs, proposed, draft_probs=None: _POINT_MASS_RESIDUAL(probs, proposed),
+    ),
+    "always_accept": ("acceptance_probability", _always_accept),
+}
+
+
+def _two_position_trial_drawn(logits: torch.Tensor, draft_logits: torch.Tensor, seed: int) -> np.ndarray:
+    """As `_two_position_trial`, with each trial's proposals d1, d2 drawn from the draft's
+    distributions q = softmax(draft_logits) [2, vocab], which the verifier is given."""
+    gen = torch.Generator().manual_seed(seed)
+    q = draft_logits.softmax(dim=-1)
+    drawn = torch.stack(
+        [torch.multinomial(q[i], TRIALS, replacement=True, generator=gen) for i in range(2)], 1
+    )
+    params = SamplingTensors.build(
+        [SamplingParams(temperature=1.0)] * (2 * TRIALS), [None] * (2 * TRIALS), "cpu", default_generator=gen
+    )
+    accepted, recovered = verify_proposals(
+        logits[:2].repeat(TRIALS, 1), drawn.reshape(-1), params, q.repeat(TRIALS, 1)
+    )
+    accepted = accepted.view(TRIALS, 2).numpy()
+    recovered = recovered.view(TRIALS, 2).numpy()
+    bonus = torch.multinomial(logits[2].softmax(dim=-1), TRIALS, replacement=True, generator=gen).numpy()
+    emitted = np.full((TRIALS, 2), -1)
+    proposals = drawn.numpy()
+    for t in range(TRIALS):
+        kept = accepted_prefix(accepted[t].tolist(), 0, 2)
+        run = [*proposals[t, :kept], recovered[t, kept] if kept < 2 else bonus[t]]
+        emitted[t] = run[:2] if len(run) >= 2 else [run[0], -1]
+    return emitted
+
+
+@pytest.mark.parametrize("rule", list(DRAWN_RULES))
+def test_drawn_proposals_keep_the_target_distribution(rule, monkeypatch):
+    """Proposals drawn from a draft's q (not the target's p): with min(1, p/q) and the max(0, p - q)
+    residual the first two emitted tokens follow p's positions (chi-square, 20,000 fixed-seed
+    trials); the point-mass rule, a residual that ignores q, or keeping everything fails."""
+    if DRAWN_RULES[rule] is not None:
+        monkeypatch.setattr(spec_verifier, *DRAWN_RULES[rule])
+    logits = torch.tensor(
+        [
+            [1.0, 0.2, -0.5, 0.7, 0.0, -1.0],
+            [0.1, 0.9, 0.3, -0.2, 0.4, 0.0],
+            [-0.3, 0.0, 0.8, 0.1, 0.5, 0.2],
+        ]
+    )
+    # A draft that is roughly right but over-confident in places: every p/q ratio is off 1.
+    draft_logits = torch.tensor([[1.5, -0.5, 0.0, 1.2, -0.3, -0.2], [-0.4, 1.6, 0.5, 0.3, -0.1, 0.2]])
+    emitted = _two_position_trial_drawn(logits, draft_logits, seed=4321)
+    target = logits.softmax(dim=-1).numpy().astype(np.float64)
+    first = np.bincount(emitted[:, 0], minlength=VOCAB)
+    second = np.bincount(emitted[emitted[:, 1] >= 0, 1], minlength=VOCAB)
+    p_first = chi_square_p_value(first, target[0])
+    p_second = chi_square_p_value(second, target[1])
+    if rule == "correct":
+        assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
+    else:
+        assert min(p_first, p_second) < 1e-6, (p_first, p_second)
+
+
+def test_one_hot_draft_rows_are_the_point_mass_rule():
+    """A deterministic proposal's q is one-hot: min(1, p/q) and max(0, p - q) are then exactly the
+    point-mass rule's p(d) and p without d (the runner fills such rows when a step mixes both)."""
+    probs = torch.softmax(torch.randn(5, 9, generator=torch.Generator().manual_seed(1)), dim=-1)
+    proposed = torch.tensor([0, 3, 8, 3, 5])
+    one_hot = torch.nn.functional.one_hot(proposed, 9).float()
+    assert torch.allclose(
+        spec_verifier.acceptance_probability(probs, proposed, one_hot),
+        spec_verifier.acceptance_probability(probs, proposed),
+    )
+    assert torch.allclose(
+        spec_verifier.residual_probs(probs, proposed, one_hot), spec_verifier.residual_probs(probs, proposed)
+    )
 
 
 def test_greedy_rows_keep_the_argmax_prefix():

@@ -347,8 +347,11 @@ def test_temperature_one_outputs_follow_the_target_distribution(
 
 def use_acceptance_rule(monkeypatch, rule: str) -> None:
     """Swap a deliberately wrong acceptance rule into the verifier ("correct" keeps the engine's)."""
-    wrong = {"residual_keeps_proposal": ("residual_probs", lambda probs, proposed: probs)}
-    wrong["always_accept"] = ("acceptance_probability", lambda probs, proposed: torch.ones(len(proposed)))
+    wrong = {"residual_keeps_proposal": ("residual_probs", lambda probs, proposed, draft_probs=None: probs)}
+    wrong["always_accept"] = (
+        "acceptance_probability",
+        lambda probs, proposed, draft_probs=None: torch.ones(len(proposed)),
+    )
     if rule in wrong:
         monkeypatch.setattr(spec_verifier, *wrong[rule])
 

@@ -76,13 +76,14 @@ from compiled_engine.core.kv_cache_manager import KVCacheManager, token_range
 from compiled_engine.core.ngram_proposer import NgramProposer
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.errors import InvalidRequestError
-from compiled_engine.records.draft_proposer import DraftProposer
+from compiled_engine.records.draft_proposer import DraftProposal, DraftProposer, DraftSampling
 from compiled_engine.records.engine_core_output import EngineCoreOutput
 from compiled_engine.records.request import FINISHED_STATUSES, Request, RequestStatus
 from compiled_engine.records.runner_output import ModelRunnerOutput
 from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 RUNNING = RequestStatus.RUNNING
+_NO_PROPOSAL = DraftProposal(())
 
 
 @dataclass
@@ -268,14 +269,13 @@ class Scheduler:
                 prefill_room -= num_new_tokens
             else:
                 num_new_tokens = 1
-            drafts: tuple[int, ...] = ()
+            proposal = _NO_PROPOSAL
             if can_speculate and start == request.history.num_tokens - 1:
-                drafts = self._propose(request, start, budget)
-                if drafts:
-                    num_new_tokens = 1 + len(drafts)
+                proposal = self._propose(request, start, budget)
+            drafts = proposal.token_ids
             if drafts:
                 # A grammar may keep fewer of the proposals (their blocks stay allocated).
-                scheduled.append(self._speculative_request(request, start, drafts))
+                scheduled.append(self._speculative_request(request, start, proposal))
                 num_new_tokens = len(scheduled[-1].token_ids)
             elif not allocate_slots(request.request_id, start + num_new_tokens):
                 if self._in_flight:
@@ -455,7 +455,7 @@ class Scheduler:
             and len(request.history.output_token_ids) + request.num_pending_outputs >= params.min_tokens
         )
 
-    def _propose(self, request: Request, start: int, budget: int) -> tuple[int, ...]:
+    def _propose(self, request: Request, start: int, budget: int) -> DraftProposal:
         """Proposed tokens after the request's newest one (at `start`), as many as k, the step's
         budget, its max_tokens and max_model_len allow (the token verified after them is emitted
         too), with blocks for them allocated; () when there is no proposal or no free block for
@@ -470,28 +470,37 @@ class Scheduler:
             self._config.max_model_len - history.num_tokens - 1,
         )
         if room < 1:
-            return ()
+            return _NO_PROPOSAL
         outputs = np.asarray(history.output_token_ids, dtype=np.int64)
         tokens = np.concatenate((history.prompt_array, outputs)) if len(outputs) else history.prompt_array
         allocate_slots = self._kv_cache_manager.allocate_slots
         if self._draft is not None:
             # The draft writes its cache in the request's blocks, lookahead included: allocate first.
             if not allocate_slots(request.request_id, start + 1 + room):
-                return ()
+                return _NO_PROPOSAL
             block_ids = self._kv_cache_manager.get_block_ids(request.request_id)
-            return self._draft.propose(request.request_id, tokens, block_ids, room)
+            params = request.sampling_params
+            # A constrained request's proposals stay the draft's argmax: its grammar may cut the
+            # run short after a proposal, and min(1, p/q) needs every draw from q verified.
+            sampling = DraftSampling(
+                0.0 if params.greedy or request.grammar is not None else params.temperature,
+                params.seed,
+                len(history.output_token_ids),
+            )
+            return self._draft.propose(request.request_id, tokens, block_ids, room, sampling)
         assert self._proposer is not None
         drafts = self._proposer.propose(tokens, room)
         if drafts and allocate_slots(request.request_id, start + 1 + len(drafts)):
-            return drafts
-        return ()
+            return DraftProposal(drafts)
+        return _NO_PROPOSAL
 
-    def _speculative_request(self, request: Request, start: int, drafts: tuple[int, ...]) -> ScheduledRequest:
+    def _speculative_request(self, request: Request, start: int, proposal: DraftProposal) -> ScheduledRequest:
         """A step with proposals: the request's newest token (at `start`, past what steps in flight
         compute: the last chunk of a prompt may follow one still in flight), then them."""
         history = request.history
         outputs = history.output_token_ids
         newest = outputs[-1] if outputs else history.prompt_token_ids[-1]
+        drafts = proposal.token_ids
         final_mask = proposal_masks = None
         if request.grammar is not None:
             # Structured outputs: a mask per proposed position; proposals the grammar forbids go.
@@ -509,6 +518,7 @@ class Scheduler:
             final_mask,
             len(drafts),
             proposal_masks if drafts else None,
+            proposal.probs if request.grammar is None else None,
         )
         return scheduled
 

@@ -36,6 +36,10 @@ class ScheduledRequest(NamedTuple):
     # Structured outputs with proposals: the grammar's mask before each proposed token (one per
     # proposal; grammar_bitmask is the one after them, the sampling row's). None: unconstrained.
     proposal_bitmasks: tuple[np.ndarray | None, ...] | None = None
+    # Speculative decoding with a draft model that samples its proposals: the distribution q each
+    # was drawn from [num_draft_tokens, vocab] (float32), for the verifier's min(1, p/q) rule.
+    # None: deterministic proposals (n-gram, or the draft's argmax), point masses.
+    draft_probs: np.ndarray | None = None
 
 
 class SchedulerOutput(NamedTuple):

@@ -1,4 +1,5 @@
-"""Speculative decoding's `draft_model` method: a smaller model proposes a request's next tokens.
+"""Speculative decoding's `draft_model` method for drafts the tight loop cannot run (not
+Llama-family: worker/draft_decoder.py `supports`; engine/draft_model.py picks).
 
 The draft is a second `ModelRunner` — its own step graph (the target's compile route: buckets,
 cache entry, CUDA graphs), its own paged KV cache — driven one request at a time with the
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compiled_engine.records.draft_proposer import GREEDY_DRAFT, DraftProposal, DraftSampling
 from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.worker.model_runner import ModelRunner
@@ -48,8 +50,14 @@ class DraftModelProposer:
         self.num_steps = 0  # draft steps run, over its life (tests, stats)
 
     def propose(
-        self, request_id: str, token_ids: np.ndarray, block_ids: Sequence[int], num_tokens: int
-    ) -> tuple[int, ...]:
+        self,
+        request_id: str,
+        token_ids: np.ndarray,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling = GREEDY_DRAFT,
+    ) -> DraftProposal:
+        """The draft's argmax proposals whatever `sampling` says: point masses (probs None)."""
         length = len(token_ids)
         blocks = tuple(block_ids)
         start = min(self._valid_prefix(request_id, token_ids, blocks), length - 1)
@@ -67,7 +75,7 @@ class DraftModelProposer:
         # The last proposal was sampled, never fed: its k/v are not in the cache.
         written = np.concatenate((token_ids, np.asarray(proposals[:-1], dtype=token_ids.dtype)))
         self._written[request_id] = _Written(written, blocks)
-        return tuple(proposals)
+        return DraftProposal(tuple(proposals))
 
     def forget(self, request_ids: Collection[str]) -> None:
         for request_id in request_ids:

@@ -295,6 +295,9 @@ class ModelRunner:
         grammar_masks = GrammarMasks.of_rows([scheduled[row].grammar_bitmask for row in staged.sampled_rows])
         proposal_generators = self._proposal_generators(scheduled, staged)
         proposal_masks = _proposal_grammar_masks(scheduled, staged) if staged.num_proposal_rows else None
+        draft_probs = None
+        if staged.num_proposal_rows and not staged.proposals_all_greedy:
+            draft_probs = _draft_probs(scheduled, staged, self.device)
         samples = _Samples()
         previous_samples = previous.samples if previous is not None else None
         step_number = self.timeline.num_steps
@@ -320,7 +323,14 @@ class ModelRunner:
                     _copy_logprobs(slot.buffers.sample_logprobs, results)
                 if staged.num_proposal_rows:
                     self._verify_proposals(
-                        logits, inputs, staged, slot, tensors, proposal_generators, proposal_masks
+                        logits,
+                        inputs,
+                        staged,
+                        slot,
+                        tensors,
+                        proposal_generators,
+                        proposal_masks,
+                        draft_probs,
                     )
             if staged.prompt_logprobs:
                 e = staged.num_prompt_logprob_rows
@@ -373,9 +383,11 @@ class ModelRunner:
         tensors: SamplingTensors,
         generators: tuple[torch.Generator | None, ...],
         grammar_masks: GrammarMasks | None,
+        draft_probs: torch.Tensor | None,
     ) -> None:
         """Speculative decoding: decide which proposals the target keeps (worker/spec_verifier.py)
-        and queue the results' copy to the slot; `collect` turns them into tokens."""
+        and queue the results' copy to the slot; `collect` turns them into tokens. `draft_probs`:
+        per proposal row the distribution it was drawn from (`_draft_probs`), None: point masses."""
         first = staged.num_sampled + staged.num_prompt_logprob_rows
         d = staged.num_proposal_rows
         proposal_logits = logits[first : first + d]
@@ -388,7 +400,7 @@ class ModelRunner:
         if not staged.proposals_all_greedy:
             rows = torch.tensor(staged.proposal_sample_rows, dtype=torch.int64, device=logits.device)
             params = tensors.select_rows(rows, generators)
-        accepted, recovered = verify_proposals(proposal_logits, proposed, params)
+        accepted, recovered = verify_proposals(proposal_logits, proposed, params, draft_probs)
         slot.buffers.proposal_accepted[:d].copy_(accepted, non_blocking=True)
         slot.buffers.proposal_recovered[:d].copy_(recovered, non_blocking=True)
         if staged.num_top_logprobs is not None:
@@ -443,6 +455,28 @@ class ModelRunner:
     def close(self) -> None:
         self.stream.close()
         self.step_graph.close()
+
+
+def _draft_probs(
+    scheduled: tuple[ScheduledRequest, ...], staged: StagedStep, device: torch.device
+) -> torch.Tensor | None:
+    """Per proposal row, the distribution q its proposal was drawn from [D, vocab]: the draft's
+    (`ScheduledRequest.draft_probs`), or one-hot for a deterministic proposal; None when every
+    proposal is deterministic (the verifier's point-mass rule, which one-hot rows equal)."""
+    requests = [scheduled[staged.sampled_rows[row]] for row in staged.spec_rows]
+    drawn = [request.draft_probs for request in requests if request.draft_probs is not None]
+    if not drawn:
+        return None
+    # The draft's vocabulary is the target's (engine/draft_model.py checks it at load).
+    q = np.zeros((staged.num_proposal_rows, drawn[0].shape[-1]), dtype=np.float32)
+    first = 0
+    for request, count in zip(requests, staged.num_proposed, strict=True):
+        if request.draft_probs is not None:
+            q[first : first + count] = request.draft_probs[:count]
+        else:
+            q[np.arange(first, first + count), request.token_ids[len(request.token_ids) - count :]] = 1.0
+        first += count
+    return torch.from_numpy(q).to(device)
 
 
 def _proposal_grammar_masks(

@@ -214,7 +214,7 @@ class StagingSlot:
         num_seqs = len(reqs)
         rows = batch.update(step)
         # Columns of the records, transposed in C (one pass) rather than read field by field.
-        _, token_lists, start_positions, _, samples, _, _, _, draft_counts, _ = zip(*reqs, strict=True)
+        _, token_lists, start_positions, _, samples, _, _, _, draft_counts, _, _ = zip(*reqs, strict=True)
         q_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
         starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
