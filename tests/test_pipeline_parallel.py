@@ -172,16 +172,37 @@ def test_each_stage_reads_only_its_own_tensors_from_the_shards(tmp_path, tied):
 
 def test_two_stages_eager_match_one_process(llama_dir):
     # The default run's one engine test: 2 layers, one per stage, eager (no Inductor compile).
+    # Six concurrent requests of different lengths (and max_tokens): the engine core keeps two
+    # steps in flight, each with its own requests, as they come and go.
     prompts = _prompts(384, 6, seed=3)
-    expected = _single_process_tokens(llama_dir, prompts, enforce_eager=True)
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    *expected, keep_reference = _single_process_tokens(
+        llama_dir, [*prompts, prompts[0]], [*params, GREEDY], enforce_eager=True
+    )
     llm = LLM(llama_dir, pipeline_parallel_size=2, enforce_eager=True, **ENGINE)
     try:
         assert len(_workers()) == 1
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        engine = llm.engine
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert outputs == expected
-        assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
+        assert engine.core.max_steps_in_flight == 2  # stage 0 ran step N+1 before step N's logits came
+        assert engine.num_free_kv_blocks() == engine.num_kv_blocks
         # Stage 0 holds the first layer's KV cache only.
-        assert len(llm.engine.model_runner.kv_caches) == 1
+        assert len(engine.model_runner.kv_caches) == 1
+
+        # Aborting a request while its step is in flight, with the other step in flight too: its
+        # blocks come back once that step is collected, and the other requests run on unharmed.
+        for request_id, prompt in zip(("keep", "abort"), prompts[:2], strict=True):
+            processed, request_params = engine.validate([prompt], GREEDY)[0]
+            engine.add_request(request_id, processed, request_params)
+        engine.step()
+        assert engine.core.scheduler.num_in_flight_steps == 1  # "keep"'s first step is collected...
+        engine.abort_request(["abort"])  # ...and "abort"'s is still in flight
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        assert [(o.request_id, o.outputs[0].token_ids) for o in finished] == [("keep", keep_reference)]
+        assert engine.num_free_kv_blocks() == engine.num_kv_blocks
     finally:
         llm.close()
     _assert_nothing_left()
