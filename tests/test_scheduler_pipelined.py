@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
+from compiled_engine.core.engine_core import EngineCore
 from compiled_engine.core.scheduler import Scheduler
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.records.request import RequestStatus
@@ -98,6 +99,11 @@ def test_bad_pipeline_depths_are_refused_by_name():
             max_in_flight_steps=1,
             pipeline_depth=2,
         )
+
+
+def test_the_pipelined_loop_and_async_scheduling_do_not_mix():
+    with pytest.raises(ValueError, match="async scheduling and a pipelined scheduler"):
+        EngineCore(make_pipelined(), runner=None, async_scheduling=True)  # type: ignore[arg-type]
 
 
 @settings(max_examples=40, deadline=None)

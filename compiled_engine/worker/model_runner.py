@@ -440,7 +440,8 @@ class ModelRunner:
         if not self._in_flight or self._in_flight[0] is not launched:
             raise ValueError("collect() takes the oldest launched step that was not collected yet")
         if launched.finish is not None:
-            launched.finish()  # on the inline stream: pipeline stages run the synchronous loop
+            with torch.inference_mode():  # as `launch`: it writes the buffers that mode made
+                launched.finish()  # on the inline stream: pipeline stages run the synchronous loop
             done = self.stream.new_event()
             self.stream.record(done)
             done.synchronize()  # on CUDA: the sampled tokens' copy to the host
