@@ -165,7 +165,9 @@ def build_step_graph(
         return graph
     from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph, microbatch_count
 
-    return PipelineStepGraph(graph, buffers, stage.index, microbatch_count(stage.num_stages))  # type: ignore[return-value]
+    return PipelineStepGraph(  # type: ignore[return-value]
+        graph, buffers, stage.index, stage.num_stages, microbatch_count(stage.num_stages)
+    )
 
 
 def _build_step_graph(

@@ -13,9 +13,12 @@ send meets its recv: stage s's TP rank t talks to stage s±1's TP rank t only.
 
 A stage does not wait for what it sends, and the first stage does not wait inside its graph for
 the logits: `pp_pass_on` posts the send and the logits' receive and returns the tensor being
-received into, so the stage can run its next micro-batch while later stages run this one.
-`wait_transfers()` (distributed/pipeline_step_graph.py calls it before the logits are read)
-completes them.
+received into, so the stage can run its next micro-batch — or its next step — while later stages
+run this one. `take_transfers()` hands what a step posted to that step
+(graphs/pipeline_step_graph.py), which completes them (`PostedTransfers.wait`) before its logits
+are read: each step's transfers on their own, so steps in flight together (the engine core's
+pipelined loop) wait only for their own. Point-to-point messages between two ranks arrive in the
+order they were posted, so every stage meets each step's hand-offs in step order.
 """
 
 from __future__ import annotations
@@ -43,20 +46,35 @@ class TransferClock:
         return waited
 
 
-# Sends and receives posted and not completed yet, with the tensors they read or fill (kept
-# alive until then), oldest first.
+# Sends and receives posted and not yet taken by a step (`take_transfers`), with the tensors they
+# read or fill (kept alive until they complete), oldest first.
 _pending: list[tuple[Any, torch.Tensor]] = []
 
 
-def wait_transfers() -> None:
-    """Complete every posted send and receive (the first stage: its logits are then filled)."""
-    started = time.perf_counter()
-    try:
-        for work, _ in _pending:
-            work.wait()
-    finally:
-        _pending.clear()
-        TransferClock.wait_s += time.perf_counter() - started
+class PostedTransfers:
+    """The sends and receives one step posted, and the tensors they read or fill (kept alive
+    until they complete)."""
+
+    def __init__(self, transfers: list[tuple[Any, torch.Tensor]]) -> None:
+        self._transfers = transfers
+
+    def wait(self) -> float:
+        """Complete them (the first stage: its logits are then filled); returns the seconds spent
+        waiting."""
+        started = time.perf_counter()
+        try:
+            for work, _ in self._transfers:
+                work.wait()
+        finally:
+            self._transfers = []
+        return time.perf_counter() - started
+
+
+def take_transfers() -> PostedTransfers:
+    """Every send and receive posted since the last call: the step that just ran posted them."""
+    taken = _pending[:]
+    _pending.clear()
+    return PostedTransfers(taken)
 
 
 def _recv(out: torch.Tensor, src: int) -> None:
@@ -84,7 +102,7 @@ def pp_pass_on(
 ) -> torch.Tensor:
     """Post the send of `hidden` [1, T, H] to the next stage (rank `dst`); return this step's
     logits [1, K, vocab_size]: on the first stage the tensor the last stage's (rank `logits_src`)
-    are being received into — filled once `wait_transfers()` returns —, zeros on a middle stage
+    are being received into — filled once the step's `PostedTransfers` complete —, zeros on a middle stage
     (`logits_src` -1), whose samples nobody reads."""
     sent = hidden.contiguous().clone()  # the graph may reuse `hidden`'s memory before it is sent
     _pending.append((dist.isend(sent, dst), sent))

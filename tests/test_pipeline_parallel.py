@@ -24,7 +24,12 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.distributed.pipeline_stages import slice_for_stage, split_layers, stage_of_rank
 from compiled_engine.distributed.workers import TensorParallelWorkerError
 from compiled_engine.graphs.compiled_step import CompiledStep
-from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph, split_sequences
+from compiled_engine.graphs.pipeline_step_graph import (
+    STEPS_IN_FLIGHT_ENV,
+    PipelineStepGraph,
+    split_sequences,
+    steps_in_flight,
+)
 from compiled_engine.model_loader.loader import load_model
 from tests.model_factory import make_tiny_model
 
@@ -102,6 +107,19 @@ def test_a_step_splits_into_micro_batches_of_whole_sequences_about_equal_in_toke
     assert split_sequences([0, 30, 31, 32], 3) == [(0, 1), (1, 2), (2, 3)]  # none empty
 
 
+def test_a_bad_steps_in_flight_override_is_refused_by_name(llama_dir, monkeypatch):
+    assert steps_in_flight(2) == 2  # default: one step in flight per stage
+    monkeypatch.setenv(STEPS_IN_FLIGHT_ENV, "1")
+    assert steps_in_flight(2) == 1
+    for bad in ("0", "3", "two"):
+        monkeypatch.setenv(STEPS_IN_FLIGHT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{STEPS_IN_FLIGHT_ENV} must be an int from 1 to the 2"):
+            steps_in_flight(2)
+    with pytest.raises(ValueError, match=f"{STEPS_IN_FLIGHT_ENV} must be an int from 1 to the 2"):
+        LLM(llama_dir, pipeline_parallel_size=2, enforce_eager=True, **ENGINE)
+    assert not _workers()  # refused before any worker started
+
+
 def test_bad_pipeline_sizes_are_refused_by_name(llama_dir):
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive int, got 0"):
         LLM(llama_dir, pipeline_parallel_size=0, **ENGINE)
@@ -172,16 +190,39 @@ def test_each_stage_reads_only_its_own_tensors_from_the_shards(tmp_path, tied):
 
 def test_two_stages_eager_match_one_process(llama_dir):
     # The default run's one engine test: 2 layers, one per stage, eager (no Inductor compile).
+    # Six concurrent requests of different lengths (and max_tokens): the engine core keeps two
+    # steps in flight, each with its own requests, as they come and go.
     prompts = _prompts(384, 6, seed=3)
-    expected = _single_process_tokens(llama_dir, prompts, enforce_eager=True)
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    # A penalised request: its sampling, run when its logits arrive, reads its token counts.
+    params.append(SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, repetition_penalty=1.3))
+    *expected, keep_reference = _single_process_tokens(
+        llama_dir, [*prompts, prompts[0]], [*params, GREEDY], enforce_eager=True
+    )
     llm = LLM(llama_dir, pipeline_parallel_size=2, enforce_eager=True, **ENGINE)
     try:
         assert len(_workers()) == 1
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        engine = llm.engine
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert outputs == expected
-        assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
+        assert engine.core.max_steps_in_flight == 2  # stage 0 ran step N+1 before step N's logits came
+        assert engine.num_free_kv_blocks() == engine.num_kv_blocks
         # Stage 0 holds the first layer's KV cache only.
-        assert len(llm.engine.model_runner.kv_caches) == 1
+        assert len(engine.model_runner.kv_caches) == 1
+
+        # Aborting a request while its step is in flight, with the other step in flight too: its
+        # blocks come back once that step is collected, and the other requests run on unharmed.
+        for request_id, prompt in zip(("keep", "abort"), prompts[:2], strict=True):
+            processed, request_params = engine.validate([prompt], GREEDY)[0]
+            engine.add_request(request_id, processed, request_params)
+        engine.step()
+        assert engine.core.scheduler.num_in_flight_steps == 1  # "keep"'s first step is collected...
+        engine.abort_request(["abort"])  # ...and "abort"'s is still in flight
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        assert [(o.request_id, o.outputs[0].token_ids) for o in finished] == [("keep", keep_reference)]
+        assert engine.num_free_kv_blocks() == engine.num_kv_blocks
     finally:
         llm.close()
     _assert_nothing_left()

@@ -215,8 +215,10 @@ def workloads(draw):
     return config, specs
 
 
-def run_workload(config: dict, specs: list[dict], in_flight: int) -> tuple[dict, Scheduler]:
-    scheduler_config = SchedulerConfig(**config, max_in_flight_steps=in_flight)
+def run_workload(
+    config: dict, specs: list[dict], in_flight: int, pipeline_depth: int = 1
+) -> tuple[dict, Scheduler]:
+    scheduler_config = SchedulerConfig(**config, max_in_flight_steps=in_flight, pipeline_depth=pipeline_depth)
     scheduler = Scheduler(scheduler_config)
     device = FakeDevice(scheduler_config)
     live: dict[str, Request] = {}
@@ -253,17 +255,22 @@ def run_workload(config: dict, specs: list[dict], in_flight: int) -> tuple[dict,
                 scheduler.add_request(request)
                 live[str(i)], produced[str(i)] = request, []
         out = scheduler.schedule()
-        if out.waiting_for_in_flight:
+        while out.waiting_for_in_flight:  # (more than once only with 3 steps in flight)
             assert pending, "waiting for a step although none is in flight"
             collect_oldest()
             out = scheduler.schedule()
-            assert not out.waiting_for_in_flight
         newly_read = {b for s in out.scheduled for b in s.block_ids}
         for held_out, _, _ in pending:
             owners = {b: s.request_id for s in held_out.scheduled for b in s.block_ids}
             for s in out.scheduled:
                 for b in s.block_ids:
                     assert owners.get(b, s.request_id) == s.request_id, f"block {b} handed out while read"
+        if pipeline_depth > 1:
+            # Pipelined: no placeholders, and no request samples in two steps in flight at once.
+            assert all(PLACEHOLDER_TOKEN_ID not in s.token_ids for s in out.scheduled)
+            sampling = {s.request_id for s in out.scheduled if s.sample}
+            for held_out, _, _ in pending:
+                assert sampling.isdisjoint(s.request_id for s in held_out.scheduled if s.sample)
         if not out.is_empty:
             pending.append((out, device.run(out, live), newly_read))
         if len(pending) == in_flight or (out.is_empty and pending):

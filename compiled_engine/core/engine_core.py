@@ -6,6 +6,13 @@ step N's results (and on the step after) overlaps step N+1 on the device. Its fi
 no outputs (nothing has finished yet) and the loop ends by collecting the last step in flight;
 `has_unfinished_requests()` stays true until then.
 
+Pipelined (a scheduler with `pipeline_depth=P > 1`: pipeline parallelism's P stages): `step()`
+schedules and launches steps until P are in flight or nothing more can be scheduled, then
+collects and updates the oldest. The runner's launch returns once stage 0 has run its part of a
+step (its logits arrive from the last stage later: graphs/pipeline_step_graph.py), so stage 0
+runs step N+1 while stage 1 runs step N, and no stage idles at every step's fill and drain. The
+scheduler keeps the steps in flight disjoint in the requests that sample (core/scheduler.py).
+
 The runner is any `Runner` (records/runner.py): the local model runner, or under tensor
 parallelism rank 0's broadcaster; the core imports neither.
 
@@ -48,9 +55,14 @@ class EngineCore(Generic[LaunchedT]):
     ) -> None:
         if async_scheduling and scheduler.config.max_in_flight_steps < 2:
             raise ValueError("async scheduling needs a scheduler with max_in_flight_steps >= 2")
+        if async_scheduling and scheduler.config.pipeline_depth > 1:
+            raise ValueError("async scheduling and a pipelined scheduler (pipeline_depth > 1) do not mix")
         self.scheduler = scheduler
         self.runner: Runner[LaunchedT] = runner
         self.async_scheduling = async_scheduling
+        self.pipeline_depth = scheduler.config.pipeline_depth
+        # Over the core's life: the most steps that were in flight at once (pipelined loop).
+        self.max_steps_in_flight = 0
         self._launched: deque[LaunchedT] = deque()
         # Prompt logprobs of requests still prefilling: one slot per prompt token after the first.
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
@@ -85,6 +97,8 @@ class EngineCore(Generic[LaunchedT]):
     def step(self) -> list[EngineCoreOutput]:
         started = time.perf_counter()
         try:
+            if self.pipeline_depth > 1:
+                return self._step_pipelined()
             return self._step_async() if self.async_scheduling else self._step_sync()
         finally:
             self.timeline.step_wall_s += time.perf_counter() - started
@@ -115,6 +129,15 @@ class EngineCore(Generic[LaunchedT]):
         if not outputs and (len(self._launched) > 1 or (scheduled.is_empty and self._launched)):
             outputs = self._finish_oldest()
         return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        while len(self._launched) < self.pipeline_depth:
+            scheduled = self._schedule()
+            if scheduled.is_empty:  # every request is in flight, or one waits for blocks they hold
+                break
+            self._launch(scheduled)
+            self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._launched))
+        return self._finish_oldest() if self._launched else []
 
     def _schedule(self) -> SchedulerOutput:
         started = time.perf_counter()

@@ -33,6 +33,14 @@ Steps in flight: `schedule()` hands out a step, `update()` applies its result, o
 With one step in flight (the synchronous loop) none of this arises: `schedule()` and `update()`
 alternate.
 
+Pipeline parallelism (`pipeline_depth=P > 1`, the engine core's pipelined loop) keeps up to P steps
+in flight as well, but stage 0 starts step N+1 before the last stage has produced step N's
+logits, so there is no placeholder to feed: a request whose token a step in flight is sampling is
+skipped until that step is updated (a prompt chunk that samples nothing can follow the one before
+it at once: every stage runs the steps in order). Each step takes at most ceil(requests / P)
+sequences, so the steps in flight hold about equal, different sets of requests. The rest (blocks
+deferred while a step in flight reads them, preemption waiting for the steps in flight) is as above.
+
 Prefix caching (`enable_prefix_caching`, core/kv_cache_manager.py):
 - a waiting request is admitted with the cached blocks of its longest known prefix (never its
   last token, whose logits it needs), shared by reference count, and computes only the rest; a
@@ -237,11 +245,20 @@ class Scheduler:
         block_size = self._config.block_size
         running = self._running
         speculating = self._speculating()
+        depth = self._config.pipeline_depth
+        # Pipelined steps: each takes its share of the requests (see SchedulerConfig.pipeline_depth).
+        max_seqs_this_step = self._config.max_num_seqs
+        if depth > 1:
+            num_requests = min(len(running) + len(self._waiting), self._config.max_num_seqs)
+            max_seqs_this_step = max(1, -(-num_requests // depth))
 
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             pending = request.num_pending_outputs
+            if depth > 1 and (pending or max_seqs_this_step <= len(scheduled)):
+                index += 1  # its token lands with a step in flight; or this step has its share
+                continue
             if pending and self._reaches_length_limit(request):
                 index += 1  # ends by length once its owed tokens land: no step is spent on it
                 continue
@@ -297,6 +314,7 @@ class Scheduler:
             while (
                 self._waiting
                 and len(self._running) < self._config.max_num_seqs
+                and len(scheduled) < max_seqs_this_step
                 and min(budget, prefill_room) > 0
             ):
                 admissible = self._next_admissible()  # nothing computed, nothing in flight
@@ -338,6 +356,10 @@ class Scheduler:
             # preemptions; a victim's row would keep its old block table when it comes back
             # (a finished request's row is only reclaimed late, which is harmless).
             self._preempted_unsent += preempted_ids
+            if depth > 1:
+                # Pipelined, most schedule() calls find every request in flight: the finished
+                # ones go with the next step instead, so their rows do not pile up.
+                self._finished_since_last_schedule[:0] = finished_ids
             return output
         self._preempted_unsent.clear()
         for s, request in zip(scheduled, scheduled_requests, strict=True):

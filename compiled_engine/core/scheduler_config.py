@@ -29,6 +29,13 @@ class SchedulerConfig:
     # of this name: a long prompt then takes several short chunks, so the steps it shares with
     # decoding requests stay short (lower tail inter-token latency, longer time to first token).
     long_prefill_token_threshold: int = 0
+    # Pipeline parallelism's steps in flight (P, one per stage; 1: off). Stage 0 starts step N+1
+    # while later stages run step N, so the scheduler hands out up to this many steps before the
+    # oldest is updated (max_in_flight_steps must equal it), with two rules of its own: a request
+    # whose token a step in flight is still sampling waits for it (no placeholder: stage 0 would
+    # need the token before the last stage produced it), and each step takes at most 1/depth of
+    # the requests there are, so the steps in flight hold different requests and stay about even.
+    pipeline_depth: int = 1
     # Speculative decoding (None: off): decoding requests get proposed tokens to verify, within
     # the token budget, while at most `disable_by_batch_size` requests run.
     speculative: SpeculativeConfig | None = None
@@ -41,10 +48,16 @@ class SchedulerConfig:
             "block_size",
             "num_kv_blocks",
             "max_in_flight_steps",
+            "pipeline_depth",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.pipeline_depth > 1 and self.max_in_flight_steps != self.pipeline_depth:
+            raise ValueError(
+                f"SchedulerConfig.max_in_flight_steps must equal pipeline_depth={self.pipeline_depth} "
+                f"(one step in flight per pipeline stage), got {self.max_in_flight_steps}"
+            )
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(

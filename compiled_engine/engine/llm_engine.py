@@ -42,6 +42,7 @@ from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.graphs.inductor_warmup import InductorProbes
+from compiled_engine.graphs.pipeline_step_graph import steps_in_flight
 from compiled_engine.kernels.weight_quantization import check_model_quantizable
 from compiled_engine.model_loader.loader import LoadedModel, _read_config, load_model
 from compiled_engine.outputs import RequestOutput
@@ -125,6 +126,7 @@ class LLMEngine:
             # Before any worker starts: more stages than layers is a clear error, not P failed ranks.
             num_layers = read_num_decoder_layers(args.resolve_model_dir())
             split_layers(num_layers, args.pipeline_parallel_size)
+            steps_in_flight(args.pipeline_parallel_size)  # a bad override, too
         if device.type == "cuda":
             rank = 0 if rank_and_address is None else rank_and_address[0]
             device = torch.device("cuda", rank)
@@ -143,6 +145,9 @@ class LLMEngine:
             )
             try:
                 join_stage_groups(stage)
+                # Rank 0 launches a step while later stages still run the one before: it must
+                # not wait for them to take the message (distributed/process_group.py).
+                self.tensor_parallel.group.use_posted_broadcasts()
             except BaseException:
                 self.tensor_parallel.abort()
                 raise
@@ -264,6 +269,10 @@ class LLMEngine:
         config, tp = self.config, self.tensor_parallel
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
+        # Pipeline parallelism: a step in flight per stage (the engine core's pipelined loop).
+        depth = 1
+        if self.pipeline_stage is not None:
+            depth = steps_in_flight(self.pipeline_stage.num_stages)
         scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -271,7 +280,8 @@ class LLMEngine:
                 max_model_len=config.max_model_len,
                 block_size=config.block_size,
                 num_kv_blocks=num_kv_blocks,
-                max_in_flight_steps=2 if config.async_scheduling else 1,
+                max_in_flight_steps=2 if config.async_scheduling else depth,
+                pipeline_depth=depth,
                 enable_prefix_caching=config.enable_prefix_caching,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 speculative=config.speculative,

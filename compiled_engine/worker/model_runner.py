@@ -19,6 +19,7 @@ from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.background_builds import CompilerProcess
 from compiled_engine.graphs.compile_cache import CompileCache, usable_compile_cache, use_inductor_cache_in
 from compiled_engine.graphs.device import Event
+from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph
 from compiled_engine.graphs.step_graph import StepGraph, build_step_graph
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.graphs.traced_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS
@@ -82,6 +83,9 @@ class LaunchedStep:
     staged: StagedStep
     done: Event
     samples: _Samples
+    # Pipeline parallelism: the step's sampling (and everything else that reads its logits), run
+    # by `collect` once the last stage's logits arrived; None when `launch` did it already.
+    finish: Callable[[], None] | None = None
 
     @property
     def block_ids(self) -> frozenset[int]:
@@ -149,7 +153,12 @@ class ModelRunner:
         self.request_states: dict[str, RequestState] = {}
         # One row per running request, updated in place step to step (worker/persistent_batch.py).
         self.batch = PersistentBatch(self.buffers.max_num_seqs, self.buffers.max_blocks_per_seq)
-        self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(2)]
+        # A pipeline stage's step graph returns before the last stage's logits arrive: the runner
+        # then samples in `collect`, and keeps each step in flight in a staging slot of its own
+        # until then (one step per stage in flight: core/engine_core.py), as sampling reads it.
+        self._stage_graph = self.step_graph if isinstance(self.step_graph, PipelineStepGraph) else None
+        num_slots = 2 if self._stage_graph is None else max(2, self._stage_graph.num_stages)
+        self._slots = [self.buffers.new_slot(self.stream.new_event()) for _ in range(num_slots)]
         self._num_launches = 0
         self._previous: LaunchedStep | None = None
         self._in_flight: deque[LaunchedStep] = deque()
@@ -268,7 +277,7 @@ class ModelRunner:
 
         Placeholder tokens in the step are the previous launch's samples, read on the device.
         """
-        slot = self._slots[self._num_launches % 2]
+        slot = self._slots[self._num_launches % len(self._slots)]
         consumed = slot.consumed
         assert consumed is not None  # __init__ gives each of the runner's slots an event
         consumed.synchronize()  # the step that used this slot has copied it out
@@ -303,14 +312,8 @@ class ModelRunner:
         step_number = self.timeline.num_steps
         self.timeline.prepare_s += time.perf_counter() - started
 
-        def work() -> None:
-            began = time.perf_counter()
-            inputs = self.buffers.load(
-                slot, staged, previous_samples.tokens if previous_samples is not None else None
-            )
+        def sample(logits: torch.Tensor, inputs: StepInputs) -> None:
             # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
-            logits = self.step_graph(inputs)
-            self.timeline.record_graph_call(step_number, self.step_graph.last_call)
             k = len(generators)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
@@ -337,6 +340,33 @@ class ModelRunner:
                 targets = self.buffers.prompt_logprob_targets(e)
                 results = token_logprobs(logits[k : k + e], targets, staged.num_top_prompt_logprobs)
                 _copy_logprobs(slot.buffers.prompt_logprobs, results)
+
+        finish: list[Callable[[], None]] = []
+
+        def work() -> None:
+            began = time.perf_counter()
+            inputs = self.buffers.load(
+                slot, staged, previous_samples.tokens if previous_samples is not None else None
+            )
+            if self._stage_graph is not None:
+                pending = self._stage_graph.start(inputs)
+                self.timeline.record_graph_call(step_number, self.step_graph.last_call)
+
+                def sample_when_logits_arrive() -> None:
+                    began = time.perf_counter()
+                    logits = pending.wait()
+                    arrived = time.perf_counter()
+                    self.timeline.wait_s += arrived - began
+                    # Later steps staged their own inputs since: this step's go back first (the
+                    # sampling buffers, proposal rows and logprob targets are read from there).
+                    sample(logits, self.buffers.load(slot, staged))
+                    self.timeline.execute_s += time.perf_counter() - arrived
+
+                finish.append(sample_when_logits_arrive)
+            else:
+                logits = self.step_graph(inputs)
+                self.timeline.record_graph_call(step_number, self.step_graph.last_call)
+                sample(logits, inputs)
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
@@ -352,6 +382,7 @@ class ModelRunner:
             staged=staged,
             done=done,
             samples=samples,
+            finish=finish[0] if finish else None,
         )
         self._previous = launched
         self._in_flight.append(launched)
@@ -420,9 +451,16 @@ class ModelRunner:
         """Wait for a launched step (the oldest not yet collected) and return its tokens."""
         if not self._in_flight or self._in_flight[0] is not launched:
             raise ValueError("collect() takes the oldest launched step that was not collected yet")
-        started = time.perf_counter()
-        launched.done.synchronize()
-        self.timeline.wait_s += time.perf_counter() - started
+        if launched.finish is not None:
+            with torch.inference_mode():  # as `launch`: it writes the buffers that mode made
+                launched.finish()  # on the inline stream: pipeline stages run the synchronous loop
+            done = self.stream.new_event()
+            self.stream.record(done)
+            done.synchronize()  # on CUDA: the sampled tokens' copy to the host
+        else:
+            started = time.perf_counter()
+            launched.done.synchronize()
+            self.timeline.wait_s += time.perf_counter() - started
         self._in_flight.popleft()
         num_sampled = len(launched.sampled_request_ids)
         tokens = launched.slot.buffers.sampled_tokens[:num_sampled].tolist() if num_sampled else []
