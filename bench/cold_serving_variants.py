@@ -5,6 +5,7 @@ tell what sets its stalls: the same requests, arrival times and measurement on o
     python -m bench.cold_serving_variants fill DIR OUT.json  # blocking policy, cold; its caches stay in DIR
     python -m bench.cold_serving_variants warm DIR OUT.json  # background policy on a copy of DIR's caches
     python -m bench.cold_serving_variants stopped OUT.json   # background, its compiler process SIGSTOPped
+    python -m bench.cold_serving_variants background OUT.json  # the suite's default variant, chunk times kept
 
 OUT.json holds the run's summary (ColdServeResult) and every stream's chunk times.
 """
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
         result, streams = serve_cold_once(
             model_dir, "background", "float32", root, sizes, on_launch=stop_compiler_of
         )
+    elif variant == "background" and len(paths) == 1:
+        result, streams = serve_cold_once(model_dir, "background", "float32", scratch / "run", sizes)
     elif variant == "warm" and len(paths) == 2:
         root = scratch / "run"
         result, streams = serve_cold_once(model_dir, "background", "float32", root, sizes, Path(paths[0]))

@@ -93,6 +93,20 @@ def bucket_shape(bucket: int, max_num_seqs: int) -> BucketShape:
     return BucketShape(num_tokens=bucket, num_seqs=min(bucket, max_num_seqs))
 
 
+def eager_shape(
+    num_tokens: int, num_seqs: int, num_logits: int, buckets: Sequence[int]
+) -> tuple[int, int, int]:
+    """Padded (tokens, sequences, logits rows) for a step run eagerly at bucket shapes: each
+    padded to its own bucket (a bucket graph pads sequences and logits rows to the token bucket,
+    as its shape is fixed; eager ops take any shape, so a step with a prompt chunk does not
+    compute an LM-head row per padded token slot). The step must fit the largest bucket."""
+    tokens = bucket_for(num_tokens, buckets)
+    if tokens is None:
+        raise ValueError(f"a {num_tokens}-token step is above the largest bucket ({buckets[-1]})")
+    seqs = bucket_for(num_seqs, buckets) or tokens
+    return tokens, seqs, bucket_for(num_logits, buckets) or seqs
+
+
 def pad_step(
     buffers: StepInputs,
     step: StepInputs,

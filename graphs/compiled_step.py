@@ -43,7 +43,7 @@ from compiled_engine.graphs.bucket_compiler import (
     compile_bucket,
 )
 from compiled_engine.graphs.bucket_graphs import BUCKET_GRAPHS_VERSION
-from compiled_engine.graphs.buckets import bucket_for, bucket_shape, check_buckets, pad_step
+from compiled_engine.graphs.buckets import bucket_for, bucket_shape, check_buckets, eager_shape, pad_step
 from compiled_engine.graphs.compile_cache import CacheEntry
 from compiled_engine.graphs.constant_recipes import CONSTANT_RECIPES_VERSION
 from compiled_engine.graphs.decode_graphs import DecodeGraphs
@@ -328,9 +328,11 @@ class CompiledStep:
         # The eager fallback runs at its bucket's shape too: a cold engine's steps then show the
         # eager ops a dozen shapes, not one per token count, so their per-shape set-up (oneDNN
         # primitives, allocator growth) is paid a dozen times, not at every new step size.
-        shaped = graph if isinstance(graph, int) else wanted if graph == EAGER else None
-        if isinstance(shaped, int):
-            shape = bucket_shape(shaped, self.max_num_seqs)
+        if graph == EAGER and isinstance(wanted, int):
+            tokens, seqs, logits = eager_shape(num_tokens, inputs.seq_lens.shape[0], num_logits, self.buckets)
+            padded = pad_step(self.buffers, inputs, tokens, seqs, logits, width)
+        elif isinstance(graph, int):
+            shape = bucket_shape(graph, self.max_num_seqs)
             padded = pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, width)
         else:
             padded = pad_step(

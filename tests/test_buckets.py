@@ -11,6 +11,7 @@ from compiled_engine.graphs.buckets import (
     bucket_shape,
     check_buckets,
     default_buckets,
+    eager_shape,
     pad_step,
 )
 from compiled_engine.graphs.step_inputs import StepInputs
@@ -85,6 +86,17 @@ def _fill_step(buffers: StepInputs) -> StepInputs:
         b.query_start_loc[:3],
         b.logits_indices[:2],
     )
+
+
+def test_eager_shape_pads_sequences_and_logits_rows_to_their_own_buckets():
+    buckets = [1, 2, 4, 8, 16, 32, 48, 64]
+    # Three decodes and a 32-token prompt chunk: 35 tokens, 4 sequences, 3 sampled rows.
+    assert eager_shape(35, 4, 3, buckets) == (48, 4, 4)
+    assert eager_shape(1, 1, 1, buckets) == (1, 1, 1)
+    assert eager_shape(64, 64, 64, buckets) == (64, 64, 64)
+    assert eager_shape(20, 3, 0, buckets) == (32, 4, 1)  # a chunk that samples nothing
+    with pytest.raises(ValueError, match="above the largest bucket"):
+        eager_shape(65, 1, 1, buckets)
 
 
 def test_pad_step_writes_inert_padding():

@@ -207,6 +207,24 @@ def test_completion_stream_matches_the_whole_response(client, served):
     assert all(json.loads(e[len("data: ") :])["object"] == "text_completion" for e in events[:-1])
 
 
+def test_tokens_held_back_by_the_detokenizer_still_stream_one_chunk_each(client, tokenizer):
+    # The lead byte of a 3-byte character, forced at every step: its text is never a whole
+    # character, so the detokenizer holds it all back until the end. Each token still gets its
+    # own chunk when it is made (empty text, as vLLM sends it); the text comes with the last.
+    lead_byte = tokenizer.convert_tokens_to_ids("\u00e2")  # byte-level BPE's symbol for 0xE2
+    assert tokenizer.decode([lead_byte]) == "\ufffd"
+    params = dict(model=MODEL, max_tokens=6, logit_bias={str(lead_byte): 100}, **GREEDY)
+    whole = client.completions.create(prompt="import os", **params)
+    assert whole.usage.completion_tokens == 6 and whole.choices[0].text == "\ufffd" * 6
+    chunks = [c for c in client.completions.create(prompt="import os", stream=True, **params) if c.choices]
+    assert [c.choices[0].text for c in chunks] == [""] * 5 + [whole.choices[0].text]
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * 5 + ["length"]
+    chat = client.chat.completions.create(messages=MESSAGES, stream=True, **params)
+    deltas = [c.choices[0] for c in chat if c.choices][1:]  # after the opening role chunk
+    assert [d.delta.content for d in deltas] == [""] * 5 + ["\ufffd" * 6]
+    assert deltas[-1].finish_reason == "length"
+
+
 def test_completion_n_seed_prompt_list_and_echo(client, tokenizer):
     params = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
     resp = client.completions.create(prompt="import os", n=3, **params)

@@ -139,13 +139,19 @@ class OpenAIServingChat:
             async for _, delta in requests.deltas():
                 choices = []
                 for c in delta.outputs:
-                    message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
                     finish_reason = c.finish_reason
-                    if tool_plan is not None:
+                    if tool_plan is None:
+                        # New tokens whose text the detokenizer still holds back (part of a
+                        # character) go out with empty content, as vLLM sends them, so a client
+                        # sees every token when it is made.
+                        ending = c.finished and not c.text  # OpenAI ends a choice with an empty delta
+                        message = DeltaMessage() if ending else DeltaMessage(content=c.text)
+                        send = bool(c.token_ids or c.finished or request.logprobs)
+                    else:
+                        # What the tool-call parser holds back (a possible call) has nothing to send.
                         message, finish_reason = _tool_delta(tool_streams[c.index], c)
-                    # Tokens whose text the detokenizer (or the tool-call parser) still holds
-                    # back have nothing to send.
-                    if message.content or message.tool_calls or c.finished or request.logprobs:
+                        send = bool(message.content or message.tool_calls or c.finished or request.logprobs)
+                    if send:
                         choices.append(
                             ChatCompletionStreamChoice(
                                 index=c.index,

@@ -149,8 +149,11 @@ class OpenAIServingCompletion:
                 for completion in delta.outputs:
                     index = prompt_index * request.n + completion.index
                     completion_tokens += len(completion.token_ids)
-                    if not (completion.text or completion.finished or request.logprobs is not None):
-                        continue  # tokens whose text the detokenizer still holds back: nothing to send
+                    if not (completion.token_ids or completion.finished or request.logprobs is not None):
+                        continue
+                    # New tokens whose text the detokenizer still holds back (part of a character)
+                    # go out as a chunk with empty text, as vLLM sends them: a client sees every
+                    # token when it is made, not two steps' worth in the next chunk.
                     choice = self._choice(
                         request,
                         prompts[prompt_index],
