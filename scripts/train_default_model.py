@@ -10,14 +10,26 @@ documented command in docs/default-model.md reproduces the shipped weights' loss
 
     python scripts/train_default_model.py --steps 1200 --batch 16 --lr 3e-3 --warmup 50 --eval-every 100
 
-Its draft for speculative decoding (docs/speculative_decoding.md) is the same recipe at a fraction of
-the size, on the same data, with the shipped model's own tokenizer (`--tokenizer-from`: loaded, not
-retrained, so the two agree on every id):
+Its draft for speculative decoding (docs/speculative_decoding.md) is a model a quarter of the size
+with the shipped model's own tokenizer (`--tokenizer-from`: loaded, not retrained, so the two agree
+on every id), trained on the shipped model's next-token distributions (`--distill-from`: forward KL
+to the teacher's softmax on the same windows, instead of cross-entropy against the text): a draft
+is worth what the target accepts, so it should predict the target, not the data. The validation
+line then also reports top-1 agreement with the teacher on the held-out windows, a proxy for
+greedy acceptance. 2,000 steps took 16 minutes on the 2-core Zen 4 machine (0.48 s a step with
+bfloat16 autocast; `--fp32` was slower there, 1.04 s against 0.64 s a step in a 30-step probe):
 
-    nice -n 19 python scripts/train_default_model.py --tokenizer-from compiled_engine/default_model \
-        --out compiled_engine/default_model_draft --plot docs/default-model-draft-loss.png \
-        --hidden 64 --ffn 176 --layers 2 --heads 2 --kv-heads 1 --steps 3000 --batch 16 --lr 4e-3 \
-        --eval-every 250
+    python scripts/train_default_model.py --tokenizer-from compiled_engine/default_model \
+        --distill-from compiled_engine/default_model --out DRAFT_DIR \
+        --plot docs/default-model-draft-loss.png --hidden 128 --ffn 352 --layers 2 --heads 2 \
+        --kv-heads 1 --steps 2000 --batch 16 --lr 4e-3 --eval-every 250 \
+        --checkpoint DRAFT_DIR.pt --max-minutes 11
+
+`--checkpoint PATH --max-minutes M` splits a long run into chunks: a chunk saves model, optimizer
+and batch-sampler state to PATH when its time is up, and rerunning the same command resumes there
+(the command above ran as two chunks). Without `--distill-from` a draft learns from the text
+alone: the first draft recipe (hidden 64, cross-entropy) reached a validation loss of 4.22 and an
+acceptance of 0.06 in a 400-step run.
 """
 
 from __future__ import annotations
@@ -150,10 +162,47 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def windows_loss(model: LlamaForCausalLM, windows: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+def windows_loss(
+    model: LlamaForCausalLM,
+    windows: torch.Tensor,
+    bf16: bool = True,
+    teacher: LlamaForCausalLM | None = None,
+) -> torch.Tensor:
+    """Cross-entropy against the text's next tokens, or (with a teacher) forward KL from the
+    teacher's next-token distribution at every position: KL(p_teacher || p_model)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=windows[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    if teacher is None:
+        return F.cross_entropy(logits, windows[:, 1:].reshape(-1))
+    target = teacher_log_probs(teacher, windows, bf16)
+    return F.kl_div(F.log_softmax(logits, dim=-1), target, log_target=True, reduction="batchmean")
+
+
+@torch.no_grad()
+def teacher_log_probs(teacher: LlamaForCausalLM, windows: torch.Tensor, bf16: bool) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = teacher(input_ids=windows[:, :-1]).logits
+    return F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+
+
+@torch.no_grad()
+def teacher_agreement(
+    model: LlamaForCausalLM, teacher: LlamaForCausalLM, val_windows: torch.Tensor, batch: int, bf16: bool
+) -> float:
+    """How often the model's argmax equals the teacher's on the validation windows: what a greedy
+    draft's proposals would be accepted at, one position at a time."""
+    model.eval()
+    same = total = 0
+    for i in range(0, len(val_windows), batch):
+        inputs = val_windows[i : i + batch, :-1]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            ours = model(input_ids=inputs).logits.argmax(-1)
+            theirs = teacher(input_ids=inputs).logits.argmax(-1)
+        same += int((ours == theirs).sum())
+        total += ours.numel()
+    model.train()
+    return same / total
 
 
 @torch.no_grad()
@@ -176,7 +225,8 @@ def save_loss_plot(history: dict, path: Path, args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(history["train_steps"], history["train_loss"], lw=0.8, alpha=0.6, label="train (per step)")
+    train_label = "train, KL to the teacher (per step)" if args.distill_from else "train (per step)"
+    ax.plot(history["train_steps"], history["train_loss"], lw=0.8, alpha=0.6, label=train_label)
     ax.plot(history["val_steps"], history["val_loss"], "o-", lw=1.5, label="validation (held-out files)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
@@ -219,6 +269,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--distill-from",
+        type=Path,
+        default=None,
+        help="a model folder to distil: train on its next-token distributions (a draft's target)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a file to save the run's state to when --max-minutes is up, and to resume from",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="with --checkpoint: stop after this many minutes of training and save the state",
+    )
+    parser.add_argument(
         "--fp32",
         action="store_true",
         help="train in float32 instead of bfloat16 autocast (CPUs without native bf16 matmuls: faster)",
@@ -251,6 +319,18 @@ def main() -> None:
 
     model = build_model(len(tokenizer), tokenizer, args)
     print(f"model: {model.num_parameters():,} parameters (tied embeddings)", flush=True)
+    teacher = None
+    if args.distill_from is not None:
+        teacher = LlamaForCausalLM.from_pretrained(args.distill_from, dtype=torch.float32).eval()
+        teacher.requires_grad_(False)
+        if teacher.config.vocab_size != len(tokenizer):
+            raise SystemExit(
+                f"--distill-from {args.distill_from}: its vocabulary ({teacher.config.vocab_size}) is "
+                f"not the tokenizer's ({len(tokenizer)}); pass its folder as --tokenizer-from too"
+            )
+        print(f"teacher: {args.distill_from}, {teacher.num_parameters():,} parameters", flush=True)
+    if args.max_minutes is not None and args.checkpoint is None:
+        raise SystemExit("--max-minutes needs --checkpoint (where the stopped run's state goes)")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -259,16 +339,43 @@ def main() -> None:
         betas=(0.9, 0.95),
     )
     batch_rng = torch.Generator().manual_seed(args.seed)
-    history = {"train_steps": [], "train_loss": [], "val_steps": [], "val_loss": []}
+    history: dict[str, list] = {"train_steps": [], "train_loss": [], "val_steps": [], "val_loss": []}
+    if teacher is not None:
+        history["val_agreement"] = []
+    first_step, trained_before = 0, 0.0
+    if args.checkpoint is not None and args.checkpoint.is_file():
+        state = torch.load(args.checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        batch_rng.set_state(state["batch_rng"])
+        history, first_step, trained_before = state["history"], state["step"], state["train_seconds"]
+        print(f"resumed from {args.checkpoint} at step {first_step}", flush=True)
 
-    train_started = time.perf_counter()
+    train_started = time.perf_counter() - trained_before
+    chunk_started = time.perf_counter()
     model.train()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
+        if args.max_minutes is not None and time.perf_counter() - chunk_started > args.max_minutes * 60:
+            assert args.checkpoint is not None
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "batch_rng": batch_rng.get_state(),
+                "history": history,
+                "step": step,
+                "train_seconds": time.perf_counter() - train_started,
+            }
+            torch.save(state, args.checkpoint)
+            print(
+                f"stopped at step {step}/{args.steps}: state in {args.checkpoint}; rerun to resume",
+                flush=True,
+            )
+            return
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(0, len(train_ids) - span, (args.batch,), generator=batch_rng)
         windows = torch.stack([train_ids[s : s + span] for s in starts.tolist()])
-        loss = windows_loss(model, windows, not args.fp32)
+        loss = windows_loss(model, windows, not args.fp32, teacher)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -279,9 +386,15 @@ def main() -> None:
             val = validation_loss(model, val_windows, args.batch, not args.fp32)
             history["val_steps"].append(step + 1)
             history["val_loss"].append(val)
+            agreement = ""
+            if teacher is not None:
+                history["val_agreement"].append(
+                    teacher_agreement(model, teacher, val_windows, args.batch, not args.fp32)
+                )
+                agreement = f"  agreement {history['val_agreement'][-1]:.3f}"
             elapsed = time.perf_counter() - train_started
             print(
-                f"step {step + 1}/{args.steps}  train {loss.item():.3f}  val {val:.3f}  "
+                f"step {step + 1}/{args.steps}  train {loss.item():.3f}  val {val:.3f}{agreement}  "
                 f"lr {lr_at(step, args):.2e}  {elapsed / (step + 1):.2f} s/step  {elapsed / 60:.1f} min",
                 flush=True,
             )
@@ -291,6 +404,7 @@ def main() -> None:
     summary = {
         "final_train_loss_last50_mean": sum(last) / len(last),
         "final_val_loss": history["val_loss"][-1],
+        **({"final_val_agreement": history["val_agreement"][-1]} if teacher is not None else {}),
         "train_seconds": train_seconds,
         "seconds_per_step": train_seconds / args.steps,
         "parameters": model.num_parameters(),

@@ -1,0 +1,67 @@
+"""What one draft-model proposal call costs on its own (worker/draft_decoder.py `propose`).
+
+    python -m bench.draft_propose DRAFT_DIR [--k 4] [--max-len 1028] [--calls 200]
+
+Loads the draft as the engine does (float32 on the CPU), compiles its proposal call, prefills a
+200-token context into one slot and times `propose` (the compiled call that feeds two tokens and
+makes k greedy proposals, plus reading the proposals back), median of `--rounds` rounds of
+`--calls` calls. `--max-len` is the slot's length: the engine's is max_model_len + k (the default
+model's max_model_len is 1024). With `--profile` it prints torch.profiler's table of the ops one
+call runs. Compare with a plain decode step of the target (bench/speculative.py's "none" column:
+1 / tokens per second) to see what k proposals cost in target steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from compiled_engine.model_loader.loader import load_model
+from compiled_engine.worker.draft_decoder import DraftDecoder
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("draft")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-len", type=int, default=1028)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+
+    device = torch.device("cpu")
+    loaded = load_model(args.draft, dtype="float32", device=device)
+    decoder = DraftDecoder(loaded.model, 1, args.max_len, args.k, device, compiled=True)
+    context = 200
+    vocab = decoder.vocab_size
+    decoder.prefill(0, torch.arange(context) % vocab, 0)
+    last_two = (5 % vocab, 6 % vocab)
+    for _ in range(5):  # compile, then settle
+        decoder.propose(0, last_two, context + 1, 0.0, None)
+    per_call = []
+    for _ in range(args.rounds):
+        started = time.perf_counter()
+        for _ in range(args.calls):
+            drafts, _ = decoder.propose(0, last_two, context + 1, 0.0, None)
+            drafts.tolist()
+        per_call.append((time.perf_counter() - started) / args.calls)
+    median = statistics.median(per_call)
+    print(
+        f"draft {args.draft}: k={args.k}, slot length {args.max_len}, {torch.get_num_threads()} threads: "
+        f"propose {median * 1e3:.3f} ms per call (median of {args.rounds} x {args.calls}; "
+        f"min {min(per_call) * 1e3:.3f})"
+    )
+    if args.profile:
+        with torch.profiler.profile() as prof:
+            for _ in range(20):
+                decoder.propose(0, last_two, context + 1, 0.0, None)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+
+
+if __name__ == "__main__":
+    main()
