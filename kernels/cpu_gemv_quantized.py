@@ -31,6 +31,7 @@ from compiled_engine.kernels.cpu_gemv import (
     BLOCK,
     ISA_AVX2,
     ISA_AVX512,
+    ISA_AVX512_BF16,
     ISA_NAMES,
     best_isa,
     kernel_available,
@@ -62,6 +63,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.ce_cpu_gemm_int4.restype = _INT
     library.ce_cpu_gemm_tiles_available.argtypes = []
     library.ce_cpu_gemm_tiles_available.restype = _INT
+    library.ce_cpu_gemm_avx512_available.argtypes = []
+    library.ce_cpu_gemm_avx512_available.restype = _INT
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:
@@ -89,16 +92,31 @@ def tiles_available() -> bool:
 
 def many_rows_path_available() -> bool:
     """Whether the many-rows ops take the AVX2 dequantize-once path here: AVX2 is this CPU's best
-    path (CPUs with AVX-512 keep the tiles or the GEMV's loops there)."""
+    path (CPUs with AVX-512 take the tiles, the AVX-512 widen-once path or the GEMV's loops there)."""
     return best_isa() == ISA_AVX2
+
+
+@cache
+def avx512_many_rows_available() -> bool:
+    """Whether the many-rows ops' AVX-512 widen-once path (ISA_AVX512_BF16: VNNI for int8, BF16 dot
+    products for int4; bf16 activations) runs here: the CPU has AVX-512 BF16 and the library was
+    built with VNNI and BF16. It is their default for bf16 x where the AMX tiles are not."""
+    if best_isa() < ISA_AVX512_BF16:
+        return False
+    try:
+        return bool(load().ce_cpu_gemm_avx512_available())
+    except (OSError, RuntimeError):
+        return False
 
 
 def cpu_gemm_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether `cpu_gemm_int8` / `_int4` have a many-rows path for `dtype` activations on `device`:
-    the tiles (bf16, AMX) or the AVX2 dequantize-once path (any activation dtype)."""
+    the tiles (bf16, AMX), the AVX-512 widen-once path (bf16) or the AVX2 dequantize-once path (any
+    activation dtype)."""
     if not cpu_gemv_quantized_available(dtype, device):
         return False
-    return (dtype == torch.bfloat16 and tiles_available()) or many_rows_path_available()
+    bf16_path = tiles_available() or avx512_many_rows_available()
+    return (dtype == torch.bfloat16 and bf16_path) or many_rows_path_available()
 
 
 def _blocks(rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -211,15 +229,25 @@ def _paths(x: torch.Tensor, in_features: int, isa: int | None, tiles: bool) -> t
 
 
 def _tile_path(x: torch.Tensor, isa: int | None, gemv_path: int) -> int:
-    """The many-rows ops' path: the tiles by default where they run, else the GEMV's `gemv_path`."""
+    """The many-rows ops' path: by default the tiles where they run, else (bf16 x) the AVX-512
+    widen-once path where it runs, else the GEMV's `gemv_path`; `isa` forces one."""
     if isa is not None and isa >= ISA_AMX:
         if not tiles_available():
             raise ValueError("cpu_gemm_quantized: this CPU (or build) cannot run the AMX tile path")
         if x.dtype != torch.bfloat16:
             raise ValueError(f"cpu_gemm_quantized: the AMX tile path takes bfloat16 x, not {x.dtype}")
         return ISA_AMX
-    if isa is None and x.dtype == torch.bfloat16 and tiles_available():
-        return ISA_AMX
+    if isa == ISA_AVX512_BF16:
+        if not avx512_many_rows_available():
+            raise ValueError("cpu_gemm_quantized: this CPU (or build) cannot run the AVX-512 widen-once path")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"cpu_gemm_quantized: the AVX-512 path takes bfloat16 x, not {x.dtype}")
+        return ISA_AVX512_BF16
+    if isa is None and x.dtype == torch.bfloat16:
+        if tiles_available():
+            return ISA_AMX
+        if avx512_many_rows_available():
+            return ISA_AVX512_BF16
     return gemv_path
 
 
