@@ -12,6 +12,8 @@
 //   int4:  packed[block][k / 2][64]   uint8: k even in the low nibble, k odd in the high one,
 //                                     values 0..15
 //          scales[block][group][64], offsets[block][group][64]  float32, w = q * scale + offset
+//          and, where the model's scales and zeros are bf16, scale_zero[block][group][64] uint32:
+//          bf16 scale | bf16 zero << 16, the same values in half the bytes (offset = zero - 8 scale)
 //
 // (offset = zero - 8 * scale folds torch's "q - 8" into one multiply-add.) Features past
 // out_features are packed as zeros. int4 sums q * x per group in float32, then adds
@@ -90,6 +92,11 @@ struct Problem {
   int64_t in_features;
   int64_t out_features;
   int dtype;
+  // int4 with bf16 scales and zeros: [block][group][64] uint32, the scale's bf16 bits in the low
+  // half and the zero's in the high one (w = (q - 8) * scale + zero), or null. The AVX-512 paths
+  // read these (4 bytes a group and output, not the float32 scales' and offsets' 8: int4 at group
+  // 32 then streams 0.625 bytes a weight, not 0.75); the others read the float32 arrays.
+  const uint32_t* scale_zero = nullptr;
 };
 
 inline void finish_block(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc,
@@ -285,6 +292,20 @@ CE_VNNI void int8_block_vnni(const Problem& p, int64_t block, int64_t row0) {
 // nibbles (input features k and k + 1 of one output feature) spread into the two halves of a 32-bit
 // lane, so vpdpwssd takes a pair of input features of 16 outputs an instruction; the group's scale
 // and offset then apply once, as in the float path.
+// 16 outputs' scale and offset of a group (`at`: [block][group][64] index), from scale_zero where
+// the weight has it, else the float32 arrays.
+CE_AVX512 inline void group_scale_offset(const Problem& p, int64_t at, __m512& scale, __m512& offset) {
+  if (p.scale_zero != nullptr) {
+    const __m512i v = _mm512_loadu_si512(p.scale_zero + at);
+    scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+    offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);  // zero - 8 scale, rounded once as the packer's
+  } else {
+    scale = _mm512_loadu_ps(p.scales + at);
+    offset = _mm512_loadu_ps(p.offsets + at);
+  }
+}
+
 template <int R>
 CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
   const int64_t k_count = p.in_features;
@@ -314,11 +335,9 @@ CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
         for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], pairs[c], xv);
       }
     }
-    const float* scales = p.scales + (block * groups + g) * kBlock;
-    const float* offsets = p.offsets + (block * groups + g) * kBlock;
     for (int c = 0; c < 4; ++c) {
-      const __m512 scale = _mm512_loadu_ps(scales + 16 * c);
-      const __m512 offset = _mm512_loadu_ps(offsets + 16 * c);
+      __m512 scale, offset;
+      group_scale_offset(p, (block * groups + g) * kBlock + 16 * c, scale, offset);
       for (int r = 0; r < R; ++r) {
         const __m512 xs = _mm512_set1_ps(p.x16_scales[(row0 + r) * groups + g]);
         const __m512 x_sum = _mm512_set1_ps(p.x_sums[(row0 + r) * groups + g]);
@@ -712,10 +731,7 @@ CE_MANY void many_rows_block_avx512(const ManyRows& m, int64_t block, __m512i* p
         const int64_t half = p.group_size / 2;
         const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (k_count / 2) + chunk * half) * kBlock;
         const int64_t at = (block * m.chunks + chunk) * kBlock;
-        for (int c = 0; c < 4; ++c) {
-          scale[c] = _mm512_loadu_ps(p.scales + at + 16 * c);
-          offset[c] = _mm512_loadu_ps(p.offsets + at + 16 * c);
-        }
+        for (int c = 0; c < 4; ++c) group_scale_offset(p, at + 16 * c, scale[c], offset[c]);
         if (dequantized) {
           dequantize_int4_group(w, half, scale, offset, pairs);
         } else {
@@ -1088,7 +1104,8 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 template <bool kInt4>
 int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
         const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-        int64_t out_features, int dtype, int isa, int num_threads, bool many_rows = false) {
+        int64_t out_features, int dtype, int isa, int num_threads, bool many_rows = false,
+        const uint32_t* scale_zero = nullptr) {
   if (rows < 0 || in_features < 1 || out_features < 1 || dtype < 0 || dtype > 2) return 1;
   if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
   if (rows == 0) return 0;
@@ -1128,7 +1145,7 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
 #endif
   Problem p{x_float.data(), x_sums.data(), x16.empty() ? nullptr : x16.data(),
             x16_scales.empty() ? nullptr : x16_scales.data(), rows, packed, scales, offsets, group_size,
-            bias, out, in_features, out_features, dtype};
+            bias, out, in_features, out_features, dtype, isa >= 2 ? scale_zero : nullptr};
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
 #if defined(__x86_64__)
@@ -1155,7 +1172,7 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
 template <bool kInt4>
 int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                   const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-                  int64_t out_features, int dtype, int isa, int num_threads) {
+                  int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero = nullptr) {
 #if defined(CE_AMX_AVAILABLE)
   if (isa >= 4 && dtype == kBFloat16 && rows > 0 && in_features > 0 && out_features > 0 && amx_permitted()) {
     if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
@@ -1171,14 +1188,14 @@ int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* pac
     if (rows == 0) return 0;
     if (kInt4 && group_size / 2 > kManyMaxPairs)  // a group wider than the buffer: the GEMV's loops
       return run<kInt4>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
-                        out_features, dtype, 2, num_threads, true);
+                        out_features, dtype, 2, num_threads, true, scale_zero);
     const Problem p{nullptr, nullptr, nullptr, nullptr, rows, packed, scales, offsets, group_size,
-                    bias, out, in_features, out_features, dtype};
+                    bias, out, in_features, out_features, dtype, scale_zero};
     return run_many_avx512<kInt4>(p, x, x_stride, num_threads);
   }
 #endif
   return run<kInt4>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features, out_features,
-                    dtype, std::min(isa, 3), num_threads, true);
+                    dtype, std::min(isa, 3), num_threads, true, scale_zero);
 }
 
 }  // namespace
@@ -1214,12 +1231,13 @@ int ce_cpu_gemm_int8(const void* x, int64_t x_stride, int64_t rows, const void* 
 
 int ce_cpu_gemm_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-                     int64_t out_features, int dtype, int isa, int num_threads) {
+                     int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero) {
   return run_many_rows<true>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
-                             out_features, dtype, isa, num_threads);
+                             out_features, dtype, isa, num_threads, scale_zero);
 }
 
 // Both return 0, or 1 for bad arguments. `isa` as in the header (the caller checked the CPU has it).
+// int4's `scale_zero`: the packed bf16 scales and zeros (Problem::scale_zero), or null.
 int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
                      int num_threads) {
@@ -1229,9 +1247,9 @@ int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* 
 
 int ce_cpu_gemv_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-                     int64_t out_features, int dtype, int isa, int num_threads) {
+                     int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero) {
   return run<true>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
-                   out_features, dtype, isa, num_threads);
+                   out_features, dtype, isa, num_threads, false, scale_zero);
 }
 
 }  // extern "C"

@@ -54,7 +54,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.ce_cpu_gemv_int8.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT]
     library.ce_cpu_gemv_int8.restype = _INT
     library.ce_cpu_gemv_int4.argtypes = [
-        _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT,
+        _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT, _P,
     ]  # fmt: skip
     library.ce_cpu_gemv_int4.restype = _INT
     library.ce_cpu_gemm_int8.argtypes = library.ce_cpu_gemv_int8.argtypes
@@ -138,9 +138,11 @@ def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
 
 def pack_int4(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """int4 nibbles [N, K / 2], scales and zeros [N, G] -> packed [blocks, K / 2, 64] uint8 (the same
-    bytes, features side by side), scales and offsets (zero - 8 * scale) [blocks, G, 64] float32."""
+    bytes, features side by side), scales and offsets (zero - 8 * scale) [blocks, G, 64] float32,
+    and for bf16 scales and zeros also scale_zero [blocks, G, 64] int32: each scale's bf16 bits in
+    the low half, its zero's in the high one (what the AVX-512 paths stream: half the bytes)."""
     with torch.no_grad():
         q = _blocks(qweight, fill=0x88)  # padded features: q = 8 everywhere, scale 0, offset 0
         packed = q.view(-1, BLOCK, q.shape[1]).permute(0, 2, 1).contiguous()
@@ -148,12 +150,17 @@ def pack_int4(
         offsets = z - 8 * s
         groups = s.shape[1]
         as_blocks = lambda t: _blocks(t).view(-1, BLOCK, groups).permute(0, 2, 1).contiguous()  # noqa: E731
-        return packed, as_blocks(s), as_blocks(offsets)
+        if scales.dtype != torch.bfloat16 or zeros.dtype != torch.bfloat16:
+            return packed, as_blocks(s), as_blocks(offsets)
+        bits = lambda t: t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
+        scale_zero = bits(scales) | (bits(zeros) << 16)
+        return packed, as_blocks(s), as_blocks(offsets), as_blocks(scale_zero)
 
 
 class PackedQuantizedWeight(NamedTuple):
     version: tuple[int, ...]  # the operands' version counters when packed (-1: inference tensors)
-    tensors: tuple[torch.Tensor, ...]  # packed weight, scales[, offsets]: kept alive for the pointers
+    tensors: tuple[torch.Tensor, ...]  # packed weight, scales[, offsets[, scale_zero]]: kept alive for
+    # the pointers
     pointers: tuple[int, ...]
     out_features: int
     in_features: int
@@ -344,11 +351,11 @@ def _int4_linear(
     rows, path = _paths(x, entry.in_features, isa, tiles)
     bias = _bias(bias, x)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
-    packed, packed_scales, offsets = entry.pointers
+    packed, packed_scales, offsets, *scale_zero = entry.pointers
     code = (_int4_tiles_kernel() if tiles else _int4_kernel())(
         rows.data_ptr(), entry.in_features, rows.shape[0], packed, packed_scales, offsets, group_size,
         None if bias is None else bias.data_ptr(), out.data_ptr(), entry.in_features, entry.out_features,
-        _DTYPE_CODES[x.dtype], path, torch.get_num_threads(),
+        _DTYPE_CODES[x.dtype], path, torch.get_num_threads(), scale_zero[0] if scale_zero else None,
     )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"cpu_gemv_int4: the kernel rejected its arguments (code {code})")
