@@ -40,8 +40,8 @@ pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32),
 ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()]
 ISAS += [ISA_AVX512_BF16] if avx512_many_rows_available() else []
 ISAS += [ISA_AMX] if tiles_available() else []
-# 7 and 100: a pass of fewer than 4 rows after full ones; 70 and 100: past one 64-row slab; 300:
-# past one 256-row panel of the AVX-512 path.
+# 7 and 70: a pass of fewer than 4 rows after full ones; 70 and 100: past the AVX2 path's 64-row
+# slab; 300: past the AVX-512 path's 256-row panel.
 ROWS = (1, 3, 7, 16, 64, 70, 100, 300)
 # (in_features, out_features): in_features not a multiple of the tiles' 32 (int8), out_features
 # past one 64-output block and not a multiple of it.
