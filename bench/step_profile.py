@@ -6,7 +6,8 @@ profiling on, and each profiled event's own time is put in one group:
 
 - linears: oneDNN's matmuls (`mkldnn::_linear_pointwise`, graphs/passes/onednn_linear.py), the
   C++ GEMV (`compiled_engine::cpu_gemv`, graphs/passes/cpu_gemv.py) or torch's
-  (`aten::mm`/`addmm`/`linear`), whichever the buckets run;
+  (`aten::mm`/`addmm`/`linear`), whichever the buckets run; quantized (`--quantization`), the
+  quantized ops (`compiled_engine::cpu_gemv_int8` ... `int4_weight_linear`);
 - attention: Inductor's fused kernels that do the paged-attention maths (their names carry
   `amax`, the softmax's max), the KV-cache write op and the query/block-id copies it reads;
 - other graph kernels: every other Inductor kernel (norms, rotary, activations, residuals);
@@ -17,7 +18,7 @@ profiling on, and each profiled event's own time is put in one group:
 
     python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10] [--attention-backend cpu]
                                  [--top N] [--dtype bfloat16]
-                                 [--model qwen2.5-0.5b-shape]
+                                 [--model qwen2.5-0.5b-shape] [--quantization int8|int4]
 
 The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
 graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
@@ -45,6 +46,12 @@ _LINEAR_EVENTS = (
     "aten::addmm",
     "aten::linear",
     "compiled_engine::cpu_gemv",
+    "compiled_engine::cpu_gemv_int8",
+    "compiled_engine::cpu_gemv_int4",
+    "compiled_engine::cpu_gemm_int8",
+    "compiled_engine::cpu_gemm_int4",
+    "compiled_engine::int8_weight_linear",
+    "compiled_engine::int4_weight_linear",
 )
 _ATTENTION_EVENTS = (
     "compiled_engine::kv_cache_write",
@@ -74,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=0, help="also list the N costliest events")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--model", default="bench-small", help="a bench model name (bench/models.py)")
+    parser.add_argument(
+        "--quantization", default=None, choices=("int8", "int4"), help="as LLM(quantization=...)"
+    )
     args = parser.parse_args(argv)
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
     if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
@@ -97,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         async_scheduling=False,
         compile_policy="blocking",  # graphs built in the warm-up steps, not swapped in mid-timing
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
     )
     engine = llm.engine
     # Room to the end of the model length: requests that finish their prefill early decode during

@@ -12,6 +12,8 @@
 //   int4:  packed[block][k / 2][64]   uint8: k even in the low nibble, k odd in the high one,
 //                                     values 0..15
 //          scales[block][group][64], offsets[block][group][64]  float32, w = q * scale + offset
+//          and, where the model's scales and zeros are bf16, scale_zero[block][group][64] uint32:
+//          bf16 scale | bf16 zero << 16, the same values in half the bytes (offset = zero - 8 scale)
 //
 // (offset = zero - 8 * scale folds torch's "q - 8" into one multiply-add.) Features past
 // out_features are packed as zeros. int4 sums q * x per group in float32, then adds
@@ -90,6 +92,11 @@ struct Problem {
   int64_t in_features;
   int64_t out_features;
   int dtype;
+  // int4 with bf16 scales and zeros: [block][group][64] uint32, the scale's bf16 bits in the low
+  // half and the zero's in the high one (w = (q - 8) * scale + zero), or null. The AVX-512 paths
+  // read these (4 bytes a group and output, not the float32 scales' and offsets' 8: int4 at group
+  // 32 then streams 0.625 bytes a weight, not 0.75); the others read the float32 arrays.
+  const uint32_t* scale_zero = nullptr;
 };
 
 inline void finish_block(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc,
@@ -233,6 +240,10 @@ CE_AVX512 void int4_block_avx512(const Problem& p, int64_t block, int64_t row0) 
 // < 2^31 over a chunk), against 4 widenings, conversions and multiply-adds each in float: the
 // float path's instructions, not the bytes, bounded it at the MLP's shapes.
 constexpr int64_t kVnniChunk = 256;
+// Packed rows (64 bytes each) the VNNI loops ask for ahead of use: 8 KB. At one row the loops are a
+// stream from memory; 16 rows (1 KB) ahead left them ~13 % slower than this (0.5B shape's linears,
+// one thread, Zen 4: int8 18.9 -> 16.4 ms, int4 12.1 -> 10.7 ms; 64 and 256 rows ahead alike).
+constexpr int64_t kVnniPrefetchRows = 128;
 
 template <int R>
 CE_VNNI void int8_block_vnni(const Problem& p, int64_t block, int64_t row0) {
@@ -248,8 +259,8 @@ CE_VNNI void int8_block_vnni(const Problem& p, int64_t block, int64_t row0) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_si512();
     for (int64_t k = chunk * kVnniChunk; k < k_end; k += 2, w += 2 * kBlock) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 17 * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kVnniPrefetchRows * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kVnniPrefetchRows + 1) * kBlock), _MM_HINT_T0);
       const __m512i a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
       const __m512i a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
       const __m512i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock)));
@@ -285,6 +296,20 @@ CE_VNNI void int8_block_vnni(const Problem& p, int64_t block, int64_t row0) {
 // nibbles (input features k and k + 1 of one output feature) spread into the two halves of a 32-bit
 // lane, so vpdpwssd takes a pair of input features of 16 outputs an instruction; the group's scale
 // and offset then apply once, as in the float path.
+// 16 outputs' scale and offset of a group (`at`: [block][group][64] index), from scale_zero where
+// the weight has it, else the float32 arrays.
+CE_AVX512 inline void group_scale_offset(const Problem& p, int64_t at, __m512& scale, __m512& offset) {
+  if (p.scale_zero != nullptr) {
+    const __m512i v = _mm512_loadu_si512(p.scale_zero + at);
+    scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+    offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);  // zero - 8 scale, rounded once as the packer's
+  } else {
+    scale = _mm512_loadu_ps(p.scales + at);
+    offset = _mm512_loadu_ps(p.offsets + at);
+  }
+}
+
 template <int R>
 CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
   const int64_t k_count = p.in_features;
@@ -300,7 +325,7 @@ CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
       for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_si512();
     const int64_t k_first = g * p.group_size;
     for (int64_t k = k_first; k < k_first + p.group_size; k += 2, w += kBlock) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kVnniPrefetchRows * kBlock), _MM_HINT_T0);
       __m512i pairs[4];
       for (int c = 0; c < 4; ++c) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
@@ -314,11 +339,9 @@ CE_VNNI void int4_block_vnni(const Problem& p, int64_t block, int64_t row0) {
         for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], pairs[c], xv);
       }
     }
-    const float* scales = p.scales + (block * groups + g) * kBlock;
-    const float* offsets = p.offsets + (block * groups + g) * kBlock;
     for (int c = 0; c < 4; ++c) {
-      const __m512 scale = _mm512_loadu_ps(scales + 16 * c);
-      const __m512 offset = _mm512_loadu_ps(offsets + 16 * c);
+      __m512 scale, offset;
+      group_scale_offset(p, (block * groups + g) * kBlock + 16 * c, scale, offset);
       for (int r = 0; r < R; ++r) {
         const __m512 xs = _mm512_set1_ps(p.x16_scales[(row0 + r) * groups + g]);
         const __m512 x_sum = _mm512_set1_ps(p.x_sums[(row0 + r) * groups + g]);
@@ -508,6 +531,297 @@ void many_rows_block_avx2(const Problem& p, int64_t block, float* sums) {
     finish_block(p, block, slab, static_cast<int>(rows), sums, !kInt4);
   }
 }
+
+// ---- many rows on AVX-512 without AMX (BF16 dot products) -------------------------------------
+//
+// Past a few rows the GEMV's cost is widening the integers again for every 4 rows, and on a CPU
+// without AMX the tile path is not there. This path widens one chunk of a 64-output block once, to
+// bf16 pairs of input features (k, k + 1) side by side in each 32-bit lane (the layout vdpbf16ps
+// reads), into a buffer that stays in L1, and runs every row of the call through it: kManyR rows x
+// 64 outputs in registers, x broadcast two bf16 features at a time as it came (no copy, no
+// rounding), float32 sums; the rows' sums [256][64] stay in L2 between chunks.
+//
+//   int8: kManyChunk8 input features at a time, as the integers q themselves (exact in bf16:
+//         float(q) has its low 16 bits zero, so its high half is bf16(q)); the weight scale is
+//         applied once, at the end.
+//   int4: one quantization group at a time, each byte's two nibbles spread into the two halves of
+//         a 32-bit lane and or-ed with 0x4300: bf16 (128 + q), exact; then per row the group's
+//         scale and offset: sum (128 + q) x * scale + (offset - 128 scale) * (the group's x sum)
+//         = sum (q scale + offset) x. From kManyDequantRows rows the group is instead dequantized
+//         to bf16 q * scale + offset once (rounded, as the AMX tiles do), so the rows need no
+//         per-group multiply-adds: those cost more than the dearer widening there.
+//
+// bf16 activations only. The integers are read and widened once per kManySlab rows; the rest is
+// dot-product instructions (two a cycle on Zen 4, 64 multiply-adds).
+#if defined(__AVX512BF16__)
+#define CE_MANY_AVX512_AVAILABLE 1
+#define CE_MANY __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+
+constexpr int64_t kManySlab = 256;   // rows per widening of a chunk; their float32 sums, 64 KB, in L2
+                                     // (64 rows, sums in L1, measured 4-6 % slower at 512-2,048 rows)
+constexpr int64_t kManyPanel = 256;  // rows run over every block before the next ones (x in L2)
+constexpr int64_t kManyChunk8 = 128; // int8: input features widened at a time (16 KB of bf16 pairs)
+constexpr int kManyR = 4;            // rows per pass over a chunk: 16 accumulators (GCC spills at 6)
+constexpr int64_t kManyDequantRows = 24;  // int4 from this many rows: weights dequantized to bf16 once
+constexpr int64_t kManyMaxPairs = 128;  // the chunk buffer's pairs of input features: int8's 64, int4's
+                                        // group / 2 (groups up to 256; 32 KB)
+
+struct ManyRows {
+  const Problem* p;
+  const uint16_t* x;    // bf16 rows, row stride x_stride
+  int64_t x_stride;
+  const float* x_sums;  // int4: [rows][groups]
+  int64_t chunks;       // int8: input chunks of kManyChunk8; int4: groups
+};
+
+CE_MANY inline __m512 bf16x16_to_float(const uint16_t* x, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
+}
+
+CE_MANY inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// int4's offsets' multiplier: the sum of each group's x, per row.
+CE_MANY void prepare_x_sums(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t group_size,
+                            float* x_sums) {
+  const int64_t groups = k_count / group_size;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16)
+        s = _mm512_add_ps(s, bf16x16_to_float(x + r * x_stride + k, tail_mask((g + 1) * group_size - k)));
+      x_sums[r * groups + g] = _mm512_reduce_add_ps(s);
+    }
+}
+
+// int8 input features [k0, k1) of a block -> bf16 pairs, 4 vectors per pair of features (k1 - k0
+// odd only at the last feature: its partner is 0).
+CE_MANY void widen_int8_chunk(const int8_t* w, int64_t k0, int64_t k1, __m512i* pairs) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = k0; k < k1; k += 2, pairs += 4) {
+    const int8_t* a = w + k * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(a + kManyChunk8 * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a + (kManyChunk8 + 1) * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i lo = _mm512_castps_si512(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * c)))));
+      __m512i hi = _mm512_setzero_si512();
+      if (k + 1 < k1)
+        hi = _mm512_castps_si512(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + kBlock + 16 * c)))));
+      // (lo >> 16) | (hi & 0xFFFF0000): bf16(q_k) in the low half, bf16(q_k+1) in the high one.
+      _mm512_store_si512(pairs + c, _mm512_ternarylogic_epi32(_mm512_srli_epi32(lo, 16), hi, high, 0xF8));
+    }
+  }
+}
+
+// int4 group g of a block -> bf16 (128 + q) pairs, 4 vectors per pair of features.
+CE_MANY void widen_int4_group(const uint8_t* w, int64_t pair_rows, __m512i* pairs) {
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  for (int64_t kk = 0; kk < pair_rows; ++kk, w += kBlock, pairs += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
+      // (b | b << 12) & 0x000F000F, then | 0x43004300: bf16 128 + low nibble, 128 + high nibble.
+      const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
+      _mm512_store_si512(pairs + c, _mm512_or_si512(q, bias));
+    }
+  }
+}
+
+// int4 group g of a block -> bf16 pairs of the dequantized weights q * scale + offset, rounded to
+// bf16 (the rounding a bf16 weight carries): dearer to widen than (128 + q), but the rows then need
+// no per-group scale and offset, which is what costs at many rows (kManyDequantRows).
+CE_MANY void dequantize_int4_group(const uint8_t* w, int64_t pair_rows, const __m512* scale, const __m512* offset,
+                                   __m512i* pairs) {
+  alignas(64) static const uint16_t kOrder[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t kk = 0; kk < pair_rows; ++kk, w += kBlock, pairs += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), scale[c], offset[c]);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale[c], offset[c]);
+      _mm512_store_si512(pairs + c, _mm512_permutexvar_epi16(order, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo))));
+    }
+  }
+}
+
+// s[r][0..4) += x[r] pairs . the chunk's pairs, R rows (x[r]: the row's first feature of the chunk).
+template <int R>
+CE_MANY inline void rows_dot_pairs(const __m512i* pairs, int64_t num_pairs, const uint16_t* const* x, __m512 (&s)[R][4]) {
+  for (int64_t i = 0; i < num_pairs; ++i, pairs += 4) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_load_si512(pairs));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_load_si512(pairs + 1));
+    const __m512bh w2 = reinterpret_cast<__m512bh>(_mm512_load_si512(pairs + 2));
+    const __m512bh w3 = reinterpret_cast<__m512bh>(_mm512_load_si512(pairs + 3));
+    for (int r = 0; r < R; ++r) {
+      int32_t xk;
+      std::memcpy(&xk, x[r] + 2 * i, sizeof xk);
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xk));
+      s[r][0] = _mm512_dpbf16_ps(s[r][0], w0, xv);
+      s[r][1] = _mm512_dpbf16_ps(s[r][1], w1, xv);
+      s[r][2] = _mm512_dpbf16_ps(s[r][2], w2, xv);
+      s[r][3] = _mm512_dpbf16_ps(s[r][3], w3, xv);
+    }
+  }
+}
+
+// acc[r][64] += the rows' products with the chunk (int8, or int4 dequantized), R rows from slab row `row`.
+template <int R>
+CE_MANY void rows_chunk(const ManyRows& m, const __m512i* pairs, int64_t num_pairs, int64_t row, int64_t k0,
+                             float* acc) {
+  const uint16_t* x[R];
+  __m512 s[R][4];
+  for (int r = 0; r < R; ++r) {
+    x[r] = m.x + (row + r) * m.x_stride + k0;
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_load_ps(acc + r * kBlock + 16 * c);
+  }
+  rows_dot_pairs<R>(pairs, num_pairs, x, s);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + r * kBlock + 16 * c, s[r][c]);
+}
+
+// acc[r][64] += the group's sums, scale and offset applied (int4), R rows from slab row `row`.
+template <int R>
+CE_MANY void int4_rows_group(const ManyRows& m, const __m512i* pairs, int64_t num_pairs, int64_t row, int64_t g,
+                             const __m512* scale, const __m512* offset, float* acc) {
+  const uint16_t* x[R];
+  __m512 s[R][4];
+  for (int r = 0; r < R; ++r) {
+    x[r] = m.x + (row + r) * m.x_stride + g * m.p->group_size;
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+  }
+  rows_dot_pairs<R>(pairs, num_pairs, x, s);
+  for (int r = 0; r < R; ++r) {
+    const __m512 x_sum = _mm512_set1_ps(m.x_sums[(row + r) * m.chunks + g]);
+    float* a = acc + r * kBlock;
+    for (int c = 0; c < 4; ++c)
+      _mm512_store_ps(a + 16 * c,
+                      _mm512_fmadd_ps(offset[c], x_sum, _mm512_fmadd_ps(s[r][c], scale[c], _mm512_load_ps(a + 16 * c))));
+  }
+}
+
+// The slab's sums -> bf16 outputs: int8's scale applied, the bias added.
+CE_MANY void finish_many(const Problem& p, int64_t block, int64_t row0, int64_t nrows, const float* acc, bool int8) {
+  const int64_t first = block * kBlock;
+  const int64_t count = std::min(kBlock, p.out_features - first);
+  for (int64_t r = 0; r < nrows; ++r) {
+    uint16_t* out = static_cast<uint16_t*>(p.out) + (row0 + r) * p.out_features + first;
+    for (int64_t f = 0; f < count; f += 16) {
+      const __mmask16 mask = tail_mask(count - f);
+      __m512 y = _mm512_load_ps(acc + r * kBlock + f);
+      if (int8) y = _mm512_mul_ps(y, _mm512_loadu_ps(p.scales + first + f));
+      if (p.bias != nullptr)
+        y = _mm512_add_ps(y, bf16x16_to_float(static_cast<const uint16_t*>(p.bias) + first + f, mask));
+      _mm256_mask_storeu_epi16(out + f, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+    }
+  }
+}
+
+template <bool kInt4>
+CE_MANY void many_rows_block_avx512(const ManyRows& m, int64_t block, int64_t row_begin, int64_t row_end,
+                                    __m512i* pairs, float* acc) {
+  const Problem& p = *m.p;
+  const int64_t k_count = p.in_features;
+  for (int64_t slab = row_begin; slab < row_end; slab += kManySlab) {
+    const int64_t rows = std::min(kManySlab, row_end - slab);
+    std::fill(acc, acc + rows * kBlock, 0.0f);
+    for (int64_t chunk = 0; chunk < m.chunks; ++chunk) {
+      __m512 scale[4], offset[4];
+      int64_t num_pairs, k0;
+      const bool dequantized = kInt4 && row_end - row_begin >= kManyDequantRows;
+      if constexpr (kInt4) {
+        const int64_t half = p.group_size / 2;
+        const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (k_count / 2) + chunk * half) * kBlock;
+        const int64_t at = (block * m.chunks + chunk) * kBlock;
+        for (int c = 0; c < 4; ++c) group_scale_offset(p, at + 16 * c, scale[c], offset[c]);
+        if (dequantized) {
+          dequantize_int4_group(w, half, scale, offset, pairs);
+        } else {
+          widen_int4_group(w, half, pairs);
+          for (int c = 0; c < 4; ++c) offset[c] = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), scale[c], offset[c]);
+        }
+        num_pairs = half;
+        k0 = chunk * p.group_size;
+      } else {
+        k0 = chunk * kManyChunk8;
+        const int64_t k1 = std::min(k_count, k0 + kManyChunk8);
+        widen_int8_chunk(static_cast<const int8_t*>(p.packed) + block * k_count * kBlock, k0, k1, pairs);
+        num_pairs = (k1 - k0) / 2;  // an odd last feature: the tail below
+      }
+      for (int64_t r = 0; r < rows; r += kManyR) {
+        const int64_t row = slab + r;
+        float* a = acc + r * kBlock;
+        const int n = static_cast<int>(std::min<int64_t>(kManyR, rows - r));
+        if (kInt4 && !dequantized) {
+          switch (n) {
+            case 1: int4_rows_group<1>(m, pairs, num_pairs, row, chunk, scale, offset, a); break;
+            case 2: int4_rows_group<2>(m, pairs, num_pairs, row, chunk, scale, offset, a); break;
+            case 3: int4_rows_group<3>(m, pairs, num_pairs, row, chunk, scale, offset, a); break;
+            default: int4_rows_group<4>(m, pairs, num_pairs, row, chunk, scale, offset, a); break;
+          }
+        } else {
+          switch (n) {
+            case 1: rows_chunk<1>(m, pairs, num_pairs, row, k0, a); break;
+            case 2: rows_chunk<2>(m, pairs, num_pairs, row, k0, a); break;
+            case 3: rows_chunk<3>(m, pairs, num_pairs, row, k0, a); break;
+            default: rows_chunk<4>(m, pairs, num_pairs, row, k0, a); break;
+          }
+        }
+      }
+      if (!kInt4 && (k_count & 1) && k0 + kManyChunk8 >= k_count) {
+        // An odd in_features: the last feature (its pair's high half is 0) without reading x past
+        // the row: x[k] times the low bf16 of each lane.
+        const __m512i* last = pairs + 4 * num_pairs;
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 xv = _mm512_set1_ps(bf16_to_float(m.x[(slab + r) * m.x_stride + k_count - 1]));
+          float* a = acc + r * kBlock;
+          for (int c = 0; c < 4; ++c) {
+            const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_load_si512(last + c), 16));
+            _mm512_store_ps(a + 16 * c, _mm512_fmadd_ps(wv, xv, _mm512_load_ps(a + 16 * c)));
+          }
+        }
+      }
+    }
+    finish_many(p, block, slab, rows, acc, !kInt4);
+  }
+}
+
+template <bool kInt4>
+CE_MANY int run_many_avx512(const Problem& p, const void* x, int64_t x_stride, int num_threads) {
+  const int64_t k_count = p.in_features;
+  ManyRows m{&p, static_cast<const uint16_t*>(x), x_stride, nullptr, 0};
+  std::vector<float> x_sums;
+  if constexpr (kInt4) {
+    m.chunks = k_count / p.group_size;
+    x_sums.resize(p.rows * m.chunks);
+    prepare_x_sums(m.x, x_stride, p.rows, k_count, p.group_size, x_sums.data());
+    m.x_sums = x_sums.data();
+  } else {
+    m.chunks = (k_count + kManyChunk8 - 1) / kManyChunk8;
+  }
+  const int64_t blocks = (p.out_features + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) __m512i pairs[4 * kManyMaxPairs];  // one chunk's widened weights (L1)
+    alignas(64) float acc[kManySlab * kBlock];      // a slab's sums (L2)
+    // kManyPanel rows at a time over every block, so a panel's x stays in L2 while the blocks stream
+    // by (each block running all of a prefill's rows read them from memory once per block).
+    for (int64_t row = 0; row < p.rows; row += kManyPanel) {
+      const int64_t row_end = std::min(p.rows, row + kManyPanel);
+#pragma omp for schedule(static)
+      for (int64_t block = 0; block < blocks; ++block)
+        many_rows_block_avx512<kInt4>(m, block, row, row_end, pairs, acc);
+    }
+  }
+  return 0;
+}
+#endif
 
 // ---- the tile path: many rows through AMX -------------------------------------------------------
 //
@@ -803,7 +1117,8 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 template <bool kInt4>
 int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
         const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-        int64_t out_features, int dtype, int isa, int num_threads, bool many_rows = false) {
+        int64_t out_features, int dtype, int isa, int num_threads, bool many_rows = false,
+        const uint32_t* scale_zero = nullptr) {
   if (rows < 0 || in_features < 1 || out_features < 1 || dtype < 0 || dtype > 2) return 1;
   if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
   if (rows == 0) return 0;
@@ -843,7 +1158,7 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
 #endif
   Problem p{x_float.data(), x_sums.data(), x16.empty() ? nullptr : x16.data(),
             x16_scales.empty() ? nullptr : x16_scales.data(), rows, packed, scales, offsets, group_size,
-            bias, out, in_features, out_features, dtype};
+            bias, out, in_features, out_features, dtype, isa >= 2 ? scale_zero : nullptr};
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
 #if defined(__x86_64__)
@@ -864,12 +1179,13 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   return 0;
 }
 
-// The tile path (`isa` >= 4) where this build and CPU have AMX and x is bf16; on AVX2 (`isa` 1) the
-// dequantize-once path (many_rows_block_avx2); the GEMV's otherwise.
+// The tile path (`isa` >= 4) where this build and CPU have AMX and x is bf16; `isa` 3 (AVX-512 BF16)
+// with bf16 x: the widen-once path (many_rows_block_avx512) where the build has VNNI and BF16; on
+// AVX2 (`isa` 1) the dequantize-once path (many_rows_block_avx2); the GEMV's otherwise.
 template <bool kInt4>
 int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                   const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-                  int64_t out_features, int dtype, int isa, int num_threads) {
+                  int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero = nullptr) {
 #if defined(CE_AMX_AVAILABLE)
   if (isa >= 4 && dtype == kBFloat16 && rows > 0 && in_features > 0 && out_features > 0 && amx_permitted()) {
     if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
@@ -878,8 +1194,21 @@ int run_many_rows(const void* x, int64_t x_stride, int64_t rows, const void* pac
     return run_tiles(p, kInt4, x, x_stride, num_threads);
   }
 #endif
+#if defined(CE_MANY_AVX512_AVAILABLE)
+  if (isa == 3 && dtype == kBFloat16) {
+    if (rows < 0 || in_features < 1 || out_features < 1) return 1;
+    if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
+    if (rows == 0) return 0;
+    if (kInt4 && group_size / 2 > kManyMaxPairs)  // a group wider than the buffer: the GEMV's loops
+      return run<kInt4>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
+                        out_features, dtype, 2, num_threads, true, scale_zero);
+    const Problem p{nullptr, nullptr, nullptr, nullptr, rows, packed, scales, offsets, group_size,
+                    bias, out, in_features, out_features, dtype, scale_zero};
+    return run_many_avx512<kInt4>(p, x, x_stride, num_threads);
+  }
+#endif
   return run<kInt4>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features, out_features,
-                    dtype, std::min(isa, 3), num_threads, true);
+                    dtype, std::min(isa, 3), num_threads, true, scale_zero);
 }
 
 }  // namespace
@@ -895,8 +1224,17 @@ int ce_cpu_gemm_tiles_available() {
 #endif
 }
 
-// As ce_cpu_gemv_int8 / _int4, for many rows: `isa` 4 takes the tile path, 1 the AVX2 dequantize-once
-// one (see run_many_rows).
+// 1 where the AVX-512 widen-once path is built in (AVX-512 BF16; the caller checks the CPU), else 0.
+int ce_cpu_gemm_avx512_available() {
+#if defined(CE_MANY_AVX512_AVAILABLE)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// As ce_cpu_gemv_int8 / _int4, for many rows: `isa` 4 takes the tile path, 3 the AVX-512 widen-once one
+// (bf16 x), 1 the AVX2 dequantize-once one (see run_many_rows).
 int ce_cpu_gemm_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
                      int num_threads) {
@@ -906,12 +1244,13 @@ int ce_cpu_gemm_int8(const void* x, int64_t x_stride, int64_t rows, const void* 
 
 int ce_cpu_gemm_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-                     int64_t out_features, int dtype, int isa, int num_threads) {
+                     int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero) {
   return run_many_rows<true>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
-                             out_features, dtype, isa, num_threads);
+                             out_features, dtype, isa, num_threads, scale_zero);
 }
 
 // Both return 0, or 1 for bad arguments. `isa` as in the header (the caller checked the CPU has it).
+// int4's `scale_zero`: the packed bf16 scales and zeros (Problem::scale_zero), or null.
 int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
                      int num_threads) {
@@ -921,9 +1260,9 @@ int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* 
 
 int ce_cpu_gemv_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
                      const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
-                     int64_t out_features, int dtype, int isa, int num_threads) {
+                     int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero) {
   return run<true>(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features,
-                   out_features, dtype, isa, num_threads);
+                   out_features, dtype, isa, num_threads, false, scale_zero);
 }
 
 }  // extern "C"

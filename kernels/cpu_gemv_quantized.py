@@ -31,6 +31,7 @@ from compiled_engine.kernels.cpu_gemv import (
     BLOCK,
     ISA_AVX2,
     ISA_AVX512,
+    ISA_AVX512_BF16,
     ISA_NAMES,
     best_isa,
     kernel_available,
@@ -53,7 +54,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.ce_cpu_gemv_int8.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT]
     library.ce_cpu_gemv_int8.restype = _INT
     library.ce_cpu_gemv_int4.argtypes = [
-        _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT,
+        _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _INT, _INT, _INT, _P,
     ]  # fmt: skip
     library.ce_cpu_gemv_int4.restype = _INT
     library.ce_cpu_gemm_int8.argtypes = library.ce_cpu_gemv_int8.argtypes
@@ -62,6 +63,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.ce_cpu_gemm_int4.restype = _INT
     library.ce_cpu_gemm_tiles_available.argtypes = []
     library.ce_cpu_gemm_tiles_available.restype = _INT
+    library.ce_cpu_gemm_avx512_available.argtypes = []
+    library.ce_cpu_gemm_avx512_available.restype = _INT
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:
@@ -89,16 +92,31 @@ def tiles_available() -> bool:
 
 def many_rows_path_available() -> bool:
     """Whether the many-rows ops take the AVX2 dequantize-once path here: AVX2 is this CPU's best
-    path (CPUs with AVX-512 keep the tiles or the GEMV's loops there)."""
+    path (CPUs with AVX-512 take the tiles, the AVX-512 widen-once path or the GEMV's loops there)."""
     return best_isa() == ISA_AVX2
+
+
+@cache
+def avx512_many_rows_available() -> bool:
+    """Whether the many-rows ops' AVX-512 widen-once path (ISA_AVX512_BF16: VNNI for int8, BF16 dot
+    products for int4; bf16 activations) runs here: the CPU has AVX-512 BF16 and the library was
+    built with VNNI and BF16. It is their default for bf16 x where the AMX tiles are not."""
+    if best_isa() < ISA_AVX512_BF16:
+        return False
+    try:
+        return bool(load().ce_cpu_gemm_avx512_available())
+    except (OSError, RuntimeError):
+        return False
 
 
 def cpu_gemm_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether `cpu_gemm_int8` / `_int4` have a many-rows path for `dtype` activations on `device`:
-    the tiles (bf16, AMX) or the AVX2 dequantize-once path (any activation dtype)."""
+    the tiles (bf16, AMX), the AVX-512 widen-once path (bf16) or the AVX2 dequantize-once path (any
+    activation dtype)."""
     if not cpu_gemv_quantized_available(dtype, device):
         return False
-    return (dtype == torch.bfloat16 and tiles_available()) or many_rows_path_available()
+    bf16_path = tiles_available() or avx512_many_rows_available()
+    return (dtype == torch.bfloat16 and bf16_path) or many_rows_path_available()
 
 
 def _blocks(rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -120,9 +138,11 @@ def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
 
 def pack_int4(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """int4 nibbles [N, K / 2], scales and zeros [N, G] -> packed [blocks, K / 2, 64] uint8 (the same
-    bytes, features side by side), scales and offsets (zero - 8 * scale) [blocks, G, 64] float32."""
+    bytes, features side by side), scales and offsets (zero - 8 * scale) [blocks, G, 64] float32,
+    and for bf16 scales and zeros also scale_zero [blocks, G, 64] int32: each scale's bf16 bits in
+    the low half, its zero's in the high one (what the AVX-512 paths stream: half the bytes)."""
     with torch.no_grad():
         q = _blocks(qweight, fill=0x88)  # padded features: q = 8 everywhere, scale 0, offset 0
         packed = q.view(-1, BLOCK, q.shape[1]).permute(0, 2, 1).contiguous()
@@ -130,12 +150,17 @@ def pack_int4(
         offsets = z - 8 * s
         groups = s.shape[1]
         as_blocks = lambda t: _blocks(t).view(-1, BLOCK, groups).permute(0, 2, 1).contiguous()  # noqa: E731
-        return packed, as_blocks(s), as_blocks(offsets)
+        if scales.dtype != torch.bfloat16 or zeros.dtype != torch.bfloat16:
+            return packed, as_blocks(s), as_blocks(offsets)
+        bits = lambda t: t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
+        scale_zero = bits(scales) | (bits(zeros) << 16)
+        return packed, as_blocks(s), as_blocks(offsets), as_blocks(scale_zero)
 
 
 class PackedQuantizedWeight(NamedTuple):
     version: tuple[int, ...]  # the operands' version counters when packed (-1: inference tensors)
-    tensors: tuple[torch.Tensor, ...]  # packed weight, scales[, offsets]: kept alive for the pointers
+    tensors: tuple[torch.Tensor, ...]  # packed weight, scales[, offsets[, scale_zero]]: kept alive for
+    # the pointers
     pointers: tuple[int, ...]
     out_features: int
     in_features: int
@@ -211,15 +236,25 @@ def _paths(x: torch.Tensor, in_features: int, isa: int | None, tiles: bool) -> t
 
 
 def _tile_path(x: torch.Tensor, isa: int | None, gemv_path: int) -> int:
-    """The many-rows ops' path: the tiles by default where they run, else the GEMV's `gemv_path`."""
+    """The many-rows ops' path: by default the tiles where they run, else (bf16 x) the AVX-512
+    widen-once path where it runs, else the GEMV's `gemv_path`; `isa` forces one."""
     if isa is not None and isa >= ISA_AMX:
         if not tiles_available():
             raise ValueError("cpu_gemm_quantized: this CPU (or build) cannot run the AMX tile path")
         if x.dtype != torch.bfloat16:
             raise ValueError(f"cpu_gemm_quantized: the AMX tile path takes bfloat16 x, not {x.dtype}")
         return ISA_AMX
-    if isa is None and x.dtype == torch.bfloat16 and tiles_available():
-        return ISA_AMX
+    if isa == ISA_AVX512_BF16:
+        if not avx512_many_rows_available():
+            raise ValueError("cpu_gemm_quantized: this CPU (or build) cannot run the AVX-512 widen-once path")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"cpu_gemm_quantized: the AVX-512 path takes bfloat16 x, not {x.dtype}")
+        return ISA_AVX512_BF16
+    if isa is None and x.dtype == torch.bfloat16:
+        if tiles_available():
+            return ISA_AMX
+        if avx512_many_rows_available():
+            return ISA_AVX512_BF16
     return gemv_path
 
 
@@ -316,11 +351,11 @@ def _int4_linear(
     rows, path = _paths(x, entry.in_features, isa, tiles)
     bias = _bias(bias, x)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
-    packed, packed_scales, offsets = entry.pointers
+    packed, packed_scales, offsets, *scale_zero = entry.pointers
     code = (_int4_tiles_kernel() if tiles else _int4_kernel())(
         rows.data_ptr(), entry.in_features, rows.shape[0], packed, packed_scales, offsets, group_size,
         None if bias is None else bias.data_ptr(), out.data_ptr(), entry.in_features, entry.out_features,
-        _DTYPE_CODES[x.dtype], path, torch.get_num_threads(),
+        _DTYPE_CODES[x.dtype], path, torch.get_num_threads(), scale_zero[0] if scale_zero else None,
     )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"cpu_gemv_int4: the kernel rejected its arguments (code {code})")

@@ -3,7 +3,10 @@
 policy chooses among (graphs/quantized_gemv_policy.py) and the bf16 linear it has to beat:
 
     bf16   F.linear over the bf16 weights (oneDNN)
-    tiles  cpu_gemm_int8 / _int4, the kernel's AMX tile path
+    bf16-gemv  the bf16 C++ GEMV (kernels/cpu_gemv.py; what our bf16 decode takes at a few rows),
+           timed up to 8 rows only
+    tiles  cpu_gemm_int8 / _int4, the many-rows op: its AMX tile path, or without AMX (bf16 x,
+           AVX-512 BF16) its AVX-512 widen-once path
     gemv   cpu_gemv_int8 / _int4, the C++ GEMV (timed up to 8 rows only)
     torch  torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
 
@@ -22,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from compiled_engine.kernels.cpu_gemv import cpu_gemv
 from compiled_engine.kernels.cpu_gemv_quantized import (
     cpu_gemm_int4,
     cpu_gemm_int8,
@@ -44,6 +48,7 @@ def _forms(scheme: str) -> dict:
 
     return {
         "bf16": lambda x, w, q: F.linear(x, w),
+        "bf16-gemv": lambda x, w, q: cpu_gemv(x, w, None),
         "tiles": ops(cpu_gemm_int8, cpu_gemm_int4),
         "gemv": ops(cpu_gemv_int8, cpu_gemv_int4),
         "torch": ops(int8_weight_linear, int4_weight_linear),
@@ -70,7 +75,7 @@ def main() -> None:
     with torch.no_grad():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
-            names = [f for f in forms if f != "gemv" or rows <= 8]
+            names = [f for f in forms if f not in ("gemv", "bf16-gemv") or rows <= 8]
             best = {}
             for name in names:
                 forms[name](xs[0], *weights[0])  # packs on first call

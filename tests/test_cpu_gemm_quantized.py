@@ -1,6 +1,7 @@
 """The quantized kernel's many-rows ops (`cpu_gemm_int8` / `cpu_gemm_int4`, kernels/cpu_gemv_quantized.py)
-against `F.linear` over the dequantized weight in float32: the AMX tile path where this CPU has it,
-and the GEMV paths they fall back to (forced), at 1 to 100 rows, odd sizes and strided inputs."""
+against `F.linear` over the dequantized weight in float32: the AMX tile path and the AVX-512
+widen-once path where this CPU has them, and the GEMV paths they fall back to (forced), at 1 to 100
+rows, odd sizes and strided inputs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.graphs.passes.cpu_gemv_quantized import CpuGemmQuantized
-from compiled_engine.kernels.cpu_gemv import ISA_AVX2, ISA_AVX512, ISA_PORTABLE, best_isa
+from compiled_engine.kernels.cpu_gemv import (
+    ISA_AVX2,
+    ISA_AVX512,
+    ISA_AVX512_BF16,
+    ISA_PORTABLE,
+    best_isa,
+)
 from compiled_engine.kernels.cpu_gemv_quantized import (
     ISA_AMX,
+    avx512_many_rows_available,
     cpu_gemm_int4,
     cpu_gemm_int4_linear,
     cpu_gemm_int8,
@@ -26,15 +34,19 @@ from compiled_engine.kernels.weight_quantization import dequantize, quantize_int
 
 pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32), reason="no C++ compiler")
 
-# The tile path where it runs, and the GEMV paths the ops take without it (ISA_AVX2: the
-# dequantize-once path on a CPU whose best path is AVX2, else the AVX2 GEMV).
+# The tile path and the AVX-512 widen-once path (ISA_AVX512_BF16) where they run, and the GEMV
+# paths the ops take without them (ISA_AVX2: the dequantize-once path on a CPU whose best path is
+# AVX2, else the AVX2 GEMV; ISA_AVX512: the AVX-512 GEMV's loops).
 ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()]
+ISAS += [ISA_AVX512_BF16] if avx512_many_rows_available() else []
 ISAS += [ISA_AMX] if tiles_available() else []
-ROWS = (1, 3, 16, 64, 100)
+# 7 and 70: a pass of fewer than 4 rows after full ones; 70 and 100: past the AVX2 path's 64-row
+# slab; 300: past the AVX-512 path's 256-row panel.
+ROWS = (1, 3, 7, 16, 64, 70, 100, 300)
 # (in_features, out_features): in_features not a multiple of the tiles' 32 (int8), out_features
 # past one 64-output block and not a multiple of it.
 INT8_SHAPES = [(70, 130), (96, 64), (515, 200)]
-INT4_SHAPES = [(64, 70, 32), (256, 131, 64), (96, 5, 32)]
+INT4_SHAPES = [(64, 70, 32), (256, 131, 64), (96, 5, 32), (512, 67, 256)]
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, expected: torch.Tensor) -> None:
@@ -129,3 +141,50 @@ def test_bad_arguments_are_refused() -> None:
     else:
         with pytest.raises(ValueError, match="AMX"):
             cpu_gemm_int8_linear(torch.randn(4, 64).to(torch.bfloat16), q.qweight, q.scales, isa=ISA_AMX)
+
+
+@pytest.mark.skipif(not avx512_many_rows_available(), reason="no AVX-512 BF16 widen-once path here")
+def test_bf16_rows_default_to_the_avx512_path_where_there_are_no_tiles() -> None:
+    if tiles_available():
+        pytest.skip("the AMX tiles are the default here")
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 320, generator=generator).to(torch.bfloat16)
+    x[5] = 0  # a zero row: its int16 scale must not divide by zero
+    x[9, 17] = 3000.0  # an outlier costs precision in its own 128-feature chunk only
+    q8 = quantize_int8(torch.randn(150, 320, generator=generator).to(torch.bfloat16))
+    q4 = quantize_int4(torch.randn(150, 320, generator=generator).to(torch.bfloat16), 64)
+    forced = cpu_gemm_int8_linear(x, q8.qweight, q8.scales, isa=ISA_AVX512_BF16)
+    assert torch.equal(cpu_gemm_int8_linear(x, q8.qweight, q8.scales), forced)
+    expected = F.linear(x.float(), dequantize(q8))
+    assert forced[5].abs().max().item() == 0
+    for row in (0, 9):  # each row within bf16's rounding of its own largest output
+        assert ((forced[row].float() - expected[row]).abs().max() / expected[row].abs().max()).item() < 1e-2
+    forced4 = cpu_gemm_int4_linear(x, q4.qweight, q4.scales, q4.zeros, 64, isa=ISA_AVX512_BF16)
+    assert torch.equal(cpu_gemm_int4_linear(x, q4.qweight, q4.scales, q4.zeros, 64), forced4)
+    _check(forced4, x, F.linear(x.float(), dequantize(q4)))
+
+
+def test_the_avx512_path_refuses_what_it_cannot_run() -> None:
+    q = quantize_int8(torch.randn(70, 64))
+    if not avx512_many_rows_available():
+        x = torch.randn(4, 64).to(torch.bfloat16)
+        with pytest.raises(ValueError, match="cannot run"):
+            cpu_gemm_int8_linear(x, q.qweight, q.scales, isa=ISA_AVX512_BF16)
+        return
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_gemm_int8_linear(torch.randn(4, 64), q.qweight, q.scales, isa=ISA_AVX512_BF16)
+
+
+def test_without_the_avx512_path_the_ops_fall_back(monkeypatch) -> None:
+    # A CPU (or build) without AVX-512 BF16 / VNNI: no many-rows path to time unless there are
+    # tiles or AVX2 is the best path, and the ops still give the linear (on the GEMV's loops).
+    from compiled_engine.kernels import cpu_gemv_quantized
+
+    monkeypatch.setattr(cpu_gemv_quantized, "avx512_many_rows_available", lambda: False)
+    expected_available = tiles_available() or many_rows_path_available()
+    assert cpu_gemm_quantized_available(torch.bfloat16) == expected_available
+    x = torch.randn(20, 96).to(torch.bfloat16)
+    q = quantize_int8(torch.randn(70, 96).to(torch.bfloat16))
+    _check(cpu_gemm_int8_linear(x, q.qweight, q.scales), x, F.linear(x.float(), dequantize(q)))
+    with pytest.raises(ValueError, match="cannot run"):
+        cpu_gemm_int8_linear(x, q.qweight, q.scales, isa=ISA_AVX512_BF16)

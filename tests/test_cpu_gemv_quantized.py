@@ -104,3 +104,22 @@ def test_bad_arguments_are_refused() -> None:
         cpu_gemv_int8_linear(torch.randn(1, 15), q.qweight, q.scales)
     with pytest.raises(ValueError, match="activations"):
         cpu_gemv_int8_linear(torch.randn(1, 16, dtype=torch.float64), q.qweight, q.scales)
+
+
+@pytest.mark.parametrize("many_rows", [False, True], ids=["gemv", "many-rows"])
+def test_bf16_scales_stream_packed_halves_with_the_same_result(many_rows) -> None:
+    # bf16 scales and zeros are packed a second time as one 32-bit word per group and output (the
+    # AVX-512 paths read those: half the bytes of the float32 scales and offsets); float32 scales
+    # of the same values have no such copy. Same maths, so the outputs agree bit for bit.
+    from compiled_engine.kernels.cpu_gemv_quantized import cpu_gemm_int4_linear
+
+    generator = torch.Generator().manual_seed(5)
+    q = quantize_int4((torch.randn(131, 256, generator=generator) + 0.5).to(torch.bfloat16), 32)
+    x = torch.randn(20 if many_rows else 3, 256, generator=generator).to(torch.bfloat16)
+    linear = cpu_gemm_int4_linear if many_rows else cpu_gemv_int4_linear
+    got = linear(x, q.qweight, q.scales, q.zeros, 32)
+    assert len(PACKED_QUANTIZED_WEIGHTS.get(q.qweight, q.scales, q.zeros, 32).tensors) == 4
+    scales, zeros = q.scales.float(), q.zeros.float()
+    assert len(PACKED_QUANTIZED_WEIGHTS.get(q.qweight.clone(), scales, zeros, 32).tensors) == 3
+    assert torch.equal(linear(x, q.qweight.clone(), scales, zeros, 32), got)
+    _check(got, x, F.linear(x.float(), dequantize(q)))
