@@ -122,6 +122,26 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive for 16 lanes at once, the same steps (range reduction, degree-6 polynomial, the
+// exponent built in the bits, 0 below -87).
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_max_ps(n, _mm512_set1_ps(-126.0f))), _mm512_set1_epi32(127));
+  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), r);
+}
+#endif
+
 #ifdef CE_ATTENTION_SIMD
 // One register of float lanes (`Vec`, kLanes wide) and the few operations the loops below use,
 // for AVX-512 (16 lanes) or AVX2 (8), so the block loops are written once. GCC left the widening
@@ -258,9 +278,11 @@ inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
 
 constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
 
+// kLocality: __builtin_prefetch's (1: into the outer caches; 3: into L1 as well).
+template <int kLocality>
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, kLocality);
 }
 
 inline int64_t read_index(const void* p, bool is64, int64_t i) {
@@ -366,58 +388,109 @@ void block_scores(const float* q, int64_t group, const C* first_row, int64_t str
 #endif
 
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-// int8 keys against a query in int16 (bf16 / fp16 queries only): q16 = round(q / qscale), qscale =
-// max|q| / 32767 per query head, so the query's rounding (2^-16 of its largest value) stays far
-// below the bf16 / fp16 rounding it arrived with. vpdpwssd sums 32 code x query products a
-// instruction in int32 (|sum| <= 32767 * 127 * 128 < 2^31 at head dims up to 128), against 16
-// widenings, 16 conversions and 16 multiply-adds in float: the int8 cache's keys cost a third.
+// int8 keys against a bf16 / fp16 query on AVX-512 VNNI, in integer maths with vpdpbusd (64
+// unsigned x signed byte products summed four by four into 16 int32 lanes, one instruction), so a
+// cached key code is never widened. The query is rounded to 16 bits per head, q16 = round(q /
+// qscale) with qscale = max|q| / 32767 (as fine as the bf16 / fp16 query it came from, as the int16
+// loop this replaced did), and split into bytes, q16 = 256 qhi + qlo
+// (qhi signed, qlo unsigned). Then q16 . k = 256 (k + 128) . qhi - 256 * 128 * sum(qhi) + qlo . k:
+// the key's codes with their top bit flipped (k + 128, unsigned) meet the signed high bytes, the
+// codes as they are meet the unsigned low bytes; all exact in int32 (|256 (k + 128) . qhi| <=
+// 2^8 * 255 * 128 * 128 < 2^31 at head dims up to 128). Two keys share a register, the first's
+// 32-code halves in the low 256 bits and the second's in the high, so each pair ends as one
+// register of 8 + 8 partial sums and 16 keys' dots need only the last three rounds of
+// reduce_lanes' transpose-add tree. (The same idea for the values -- four rows' codes interleaved
+// byte by byte against four softmax weights rounded to 16 bits -- measured slower than the float
+// loop on an AMD Zen 5 and is not used.)
+constexpr int kInt8QueryBytes = 4;  // per head dim value: qhi and qlo, each stored twice (both halves)
+
+// One query head's bytes for block_scores_vnni at dst ([hi pairs | lo pairs], 2 * 2 * D bytes), the
+// int32 correction 256 * 128 * sum(qhi) and the scale; q is float [D].
 template <int kHeadDim>
-void block_scores_int8(const int16_t* q16, const float* qscale, int64_t group, const int8_t* first_row,
-                       int64_t stride_slot, int64_t n, int64_t scale_offset, float* scores, int64_t bs) {
-  constexpr int kPairs = kHeadDim / 32;  // zmm of 32 int16 per row
+inline void quantize_query_vnni(const float* q, int8_t* dst, int32_t* correction, float* qscale) {
+  float amax = 0.0f;
+  for (int d = 0; d < kHeadDim; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+  const float inv = 1.0f / scale;
+  int8_t* hi = dst;
+  uint8_t* lo = reinterpret_cast<uint8_t*>(dst + 2 * kHeadDim);
+  int32_t sum_hi = 0;
+  for (int d = 0; d < kHeadDim; ++d) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(q[d] * inv));  // |v| <= 32767
+    const int32_t h = v >> 8;                                             // floor(v / 256): -128..127
+    const int32_t l = v - 256 * h;                                        // 0..255
+    const int c = d / 32, i = d % 32;  // chunk c's 32 bytes, twice: [chunk | chunk]
+    hi[64 * c + i] = hi[64 * c + 32 + i] = static_cast<int8_t>(h);
+    lo[64 * c + i] = lo[64 * c + 32 + i] = static_cast<uint8_t>(l);
+    sum_hi += h;
+  }
+  *correction = 256 * 128 * sum_hi;
+  *qscale = scale;
+}
+
+// c[k]: the partial sums of keys 2k (low 8 lanes) and 2k + 1 (high 8); lane j of the result: key j's
+// dot. reduce_lanes' rounds after its first, in int32.
+inline __m512i reduce_pairs(const __m512i* c) {
+  __m512i d[4], e[2];
+  for (int k = 0; k < 4; ++k)
+    d[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * k], c[2 * k + 1], 0x88),
+                            _mm512_shuffle_i32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    e[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2 * k], d[2 * k + 1]), _mm512_unpackhi_epi32(d[2 * k], d[2 * k + 1]));
+  const __m512i f = _mm512_add_epi32(_mm512_unpacklo_epi64(e[0], e[1]), _mm512_unpackhi_epi64(e[0], e[1]));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+// scores[g * bs + j] = q_g . row_j * row_j's scale for j < n, g < group (qbytes: quantize_query_vnni's,
+// 4 * kHeadDim bytes a head).
+template <int kHeadDim>
+void block_scores_vnni(const int8_t* qbytes, const int32_t* correction, const float* qscale, int64_t group,
+                       const int8_t* first_row, int64_t stride_slot, int64_t n, int64_t scale_offset, float* scores,
+                       int64_t bs) {
+  constexpr int kChunks = kHeadDim / 32;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
-    __m512 part[kFastGroup][16];
+    __m512i part[kFastGroup][8];
     alignas(64) float key_scale[16];
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j >= m) {
-        for (int64_t g = 0; g < group; ++g) part[g][j] = _mm512_setzero_ps();
-        key_scale[j] = 0.0f;
+    for (int64_t p = 0; p < 8; ++p) {
+      if (2 * p >= m) {
+        for (int64_t g = 0; g < group; ++g) part[g][p] = _mm512_setzero_si512();
         continue;
       }
-      const int8_t* row = first_row + (j0 + j) * stride_slot;
-      __m512i w[kPairs];
-      for (int c = 0; c < kPairs; ++c)
-        w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
-      for (int64_t g = 0; g < group; ++g) {
-        const int16_t* qg = q16 + g * kHeadDim;
-        __m512i sum = _mm512_setzero_si512();
-        for (int c = 0; c < kPairs; ++c)
-          sum = _mm512_dpwssd_epi32(sum, w[c], _mm512_loadu_si512(reinterpret_cast<const void*>(qg + 32 * c)));
-        part[g][j] = _mm512_cvtepi32_ps(sum);
+      const int8_t* r0 = first_row + (j0 + 2 * p) * stride_slot;
+      // Past the end: the pair's first key again (read, never stored).
+      const int8_t* r1 = 2 * p + 1 < m ? r0 + stride_slot : r0;
+      __m512i k[kChunks], ku[kChunks];
+      for (int c = 0; c < kChunks; ++c) {
+        k[c] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * c))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * c)), 1);
+        ku[c] = _mm512_xor_si512(k[c], flip);
       }
-      key_scale[j] = row_scale(row, scale_offset);
+      for (int64_t g = 0; g < group; ++g) {
+        const int8_t* hi = qbytes + g * kInt8QueryBytes * kHeadDim;
+        const int8_t* lo = hi + 2 * kHeadDim;
+        __m512i acc = _mm512_setzero_si512();
+        for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbusd_epi32(acc, ku[c], _mm512_loadu_si512(hi + 64 * c));
+        acc = _mm512_slli_epi32(acc, 8);
+        for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(lo + 64 * c), k[c]);
+        part[g][p] = acc;
+      }
+      key_scale[2 * p] = row_scale(r0, scale_offset);
+      key_scale[2 * p + 1] = 2 * p + 1 < m ? row_scale(r0 + stride_slot, scale_offset) : 0.0f;
     }
+    for (int64_t p = 2 * ((m + 1) / 2); p < 16; ++p) key_scale[p] = 0.0f;
     const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1u);
     const __m512 ks = _mm512_load_ps(key_scale);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(reduce_lanes(part[g]), ks), _mm512_set1_ps(qscale[g]));
+      const __m512i dots = _mm512_sub_epi32(reduce_pairs(part[g]), _mm512_set1_epi32(correction[g]));
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), ks), _mm512_set1_ps(qscale[g]));
       _mm512_mask_storeu_ps(scores + g * bs + j0, keep, s);
     }
   }
 }
 
-// q [heads, D] float -> q16 [heads, D] and qscale [heads] (block_scores_int8's query).
-inline void quantize_query(const float* q, int64_t heads, int64_t D, int16_t* q16, float* qscale) {
-  for (int64_t i = 0; i < heads; ++i) {
-    float amax = 0.0f;
-    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[i * D + d]));
-    const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
-    const float inv = 1.0f / scale;
-    for (int64_t d = 0; d < D; ++d) q16[i * D + d] = static_cast<int16_t>(std::nearbyint(q[i * D + d] * inv));
-    qscale[i] = scale;
-  }
-}
 #endif
 
 #ifdef CE_ATTENTION_SIMD
@@ -534,9 +607,19 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   float* scores = acc + heads * D;
   float* row_max = scores + heads * bs;
   float* row_sum = row_max + heads;
-  // int8 keys with a bf16 / fp16 query: the query in int16 and its scales (block_scores_int8).
+  // int8 keys with a bf16 / fp16 query (block_scores_vnni): the query's scale, correction and bytes.
   float* qscale = row_sum + heads;
-  int16_t* q16 = reinterpret_cast<int16_t*>(qscale + heads);
+  int32_t* qcorrection = reinterpret_cast<int32_t*>(qscale + heads);
+  int8_t* qbytes = reinterpret_cast<int8_t*>(qcorrection + heads);
+#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
+  constexpr bool kVnniKeys = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
+                             kHeadDim % 64 == 0 && kHeadDim <= 128;
+#endif
+  // Quantized caches only (so far): the softmax in 16-lane vectors and this block's values
+  // prefetched while its scores compute (tuned below). Measured to help a bf16 cache as well;
+  // held back from it while the bf16 kernel is the reference the quantized ones are timed against
+  // (docs/kv_cache_quantization.md, "Speed").
+  constexpr bool kTuned = quantized<T, C>();
 
   int64_t position = -1;
   const int64_t seq = row_sequence(pb, t, &position);
@@ -555,9 +638,9 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     row_sum[i] = 0.0f;
   }
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-  if constexpr (std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 && kHeadDim % 32 == 0 &&
-                kHeadDim <= 128) {
-    quantize_query(q, heads, D, q16, qscale);
+  if constexpr (kVnniKeys) {
+    for (int64_t i = 0; i < heads; ++i)
+      quantize_query_vnni<kHeadDim>(q + i * D, qbytes + i * kInt8QueryBytes * D, qcorrection + i, qscale + i);
   }
 #endif
 
@@ -573,8 +656,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   };
   auto prefetch_slot = [&](int64_t block_start, int64_t slot) {  // this item's heads of one slot
     const int64_t at = block_start + slot * pb.stride_slot + head_begin * pb.stride_head;
-    prefetch_row(keys + at, row_bytes);
-    prefetch_row(values + at, row_bytes);
+    prefetch_row<kTuned ? 3 : 1>(keys + at, row_bytes);
+    prefetch_row<kTuned ? 3 : 1>(values + at, row_bytes);
   };
   if (lo < hi) {
     for (int64_t c = lo / bs; c < std::min(lo / bs + kAhead, last_column + 1); ++c) {
@@ -597,12 +680,20 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
         if (ahead >= 0) {
           for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
         }
+        if constexpr (kTuned) {
+          // The prefetch above, kAhead blocks early, left the values of this block waiting on
+          // memory when the block_values loop reached them (the stall showed in profiles, and
+          // on a Zen 5 asking for them again here, into L1, took ~25% off an int8 cache's time).
+          const int64_t at = first_slot + head_begin * pb.stride_head;
+          for (int64_t r = 0; r < n; ++r) prefetch_row<3>(values + at + r * pb.stride_slot, row_bytes);
+        }
         for (int64_t h = head_begin; h < head_end; ++h) {
           const int64_t i0 = (h - head_begin) * group;
-#ifdef __AVX512VNNI__
-          if constexpr (std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim % 32 == 0 && kHeadDim <= 128) {
-            block_scores_int8<kHeadDim>(q16 + i0 * D, qscale + i0, group, keys + first_slot + h * pb.stride_head,
-                                        pb.stride_slot, n, pb.scale_offset, scores + i0 * bs, bs);
+#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
+          if constexpr (kVnniKeys) {
+            block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, group,
+                                        keys + first_slot + h * pb.stride_head, pb.stride_slot, n, pb.scale_offset,
+                                        scores + i0 * bs, bs);
             continue;
           }
 #endif
@@ -636,17 +727,39 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
         for (int64_t j = 0; j < n; ++j) si[j] = pb.softcap * std::tanh(si[j] * pb.scale / pb.softcap);
       }
       float block_max = row_max[i];
-      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
+#if defined(__AVX512F__)
+      if constexpr (kTuned) {  // GCC leaves both loops scalar
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+          block_max = std::max(block_max, _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, si + j)));
+        }
+      } else
+#endif
+        for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
       // First block: the old max is -inf and there is nothing to rescale.
       const float correction = row_max[i] == -std::numeric_limits<float>::infinity()
                                    ? 0.0f
                                    : exp_nonpositive(row_max[i] - block_max);
       row_max[i] = block_max;
       float block_sum = 0.0f;
+#if defined(__AVX512F__)
+      if constexpr (kTuned) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+          const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, si + j), _mm512_set1_ps(block_max)));
+          _mm512_mask_storeu_ps(si + j, keep, e);
+          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));  // lanes past n: exp(0 - max), dropped
+        }
+        block_sum = _mm512_reduce_add_ps(sum);
+      } else
+#endif
+      {
 #pragma omp simd reduction(+ : block_sum)
-      for (int64_t j = 0; j < n; ++j) {
-        si[j] = exp_nonpositive(si[j] - block_max);
-        block_sum += si[j];
+        for (int64_t j = 0; j < n; ++j) {
+          si[j] = exp_nonpositive(si[j] - block_max);
+          block_sum += si[j];
+        }
       }
       row_sum[i] = row_sum[i] * correction + block_sum;
       if (correction != 1.0f) {
@@ -701,8 +814,8 @@ void run(const Problem& pb, int num_threads) {
   const int64_t items = pb.num_tokens * chunks;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
   const int64_t heads = per_chunk * group;
-  // q, acc, scores, max, sum; then the int16 query's scales and values (half a float each).
-  const int64_t work_floats = heads * (2 * pb.head_dim + pb.block_size + 2) + heads * (1 + pb.head_dim / 2 + 1);
+  // q, acc, scores, max, sum; then the int8-key query's scales, corrections and bytes (4 a value).
+  const int64_t work_floats = heads * (2 * pb.head_dim + pb.block_size + 2) + heads * (2 + pb.head_dim);
 #pragma omp parallel num_threads(num_threads)
   {
     // The write first; the loop's barrier keeps every read after it. Padding rows all land on

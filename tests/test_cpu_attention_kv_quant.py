@@ -36,6 +36,19 @@ CASES = {
         dict(softcap=0.5),
     ),
     "mqa_d7_bs3": ([(8, 2), (0, 3)], dict(num_q_heads=3, num_kv_heads=1, head_dim=7, block_size=3), {}),
+    # The int8-key VNNI loop (bf16 queries, head dims 64 and 128) takes keys in pairs and 16 at a
+    # time: blocks of odd sizes (a pair's second key past the block), of more than 16 keys, partial
+    # last blocks, groups of 1 and 4.
+    "gqa4_d64_bs7_odd_blocks": (
+        [(40, 1), (6, 3), (13, 1), (0, 1)],
+        dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=7),
+        {},
+    ),
+    "mha_d128_bs32_partial": (
+        [(45, 1), (31, 2), (64, 1)],
+        dict(num_q_heads=2, num_kv_heads=2, head_dim=128, block_size=32),
+        {},
+    ),
 }
 
 
