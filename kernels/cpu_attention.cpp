@@ -615,11 +615,10 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   constexpr bool kVnniKeys = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
                              kHeadDim % 64 == 0 && kHeadDim <= 128;
 #endif
-  // Quantized caches only (so far): the softmax in 16-lane vectors and this block's values
-  // prefetched while its scores compute (tuned below). Measured to help a bf16 cache as well;
-  // held back from it while the bf16 kernel is the reference the quantized ones are timed against
-  // (docs/kv_cache_quantization.md, "Speed").
-  constexpr bool kTuned = quantized<T, C>();
+  // Every cache: the softmax in 16-lane vectors and this block's values prefetched while its
+  // scores compute (tuned below). Written for the quantized caches, measured to help float caches
+  // as well (docs/kv_cache_quantization.md, "Speed"), so no cache is left on the slower loops.
+  constexpr bool kTuned = true;
 
   int64_t position = -1;
   const int64_t seq = row_sequence(pb, t, &position);
