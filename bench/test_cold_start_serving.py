@@ -15,9 +15,10 @@ stall <= 250 ms and p99 ITL <= 3x p50; they are reported, not asserted (a 2-core
 with other work decides them as much as the code does). Asserted: every stream got every token
 it asked for, and with "background" no step waited on a compile or load (graph_wait_steps_total 0).
 
-One chunk is one token unless the detokenizer held a token's text back (a partial character):
-then the next chunk carries both, and that gap spans two steps. Usage at the end of each stream
-checks that every requested token came.
+One chunk is one step's new tokens for its stream (one token; a token whose text the detokenizer
+holds back still gets its chunk, with empty text). Two steps' tokens share a chunk only when the
+server's stream reader falls a step behind; that gap then spans two steps. Usage at the end of
+each stream checks that every requested token came.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ from bench.serving_harness import (
 from bench.workloads import BenchRequest, mixed_requests
 
 # Variants: the server's compile policy and any extra flags. Every variant serves with `serve`'s
-# defaults otherwise, which on CPU cap the prompt tokens of a step at 32 while requests decode
+# defaults otherwise, which on CPU cap the prompt tokens of a step at 16 while requests decode
 # (`--long-prefill-token-threshold`, engine_args.SERVING_LONG_PREFILL_DEFAULT); "-uncapped" turns
-# the cap off (the default before it), "-chunked-16" and "-chunked-64" set it to those. The
+# the cap off (the default before it), "-chunked-32" (the default before 16) and "-chunked-64" set
+# it to those. The
 # "-all-cores" one gives the step every core (`--cpu-reserved-cores 0`) instead of leaving one to
 # the API server and the client: the baseline of that default. Each is the same path as
 # "background" otherwise, so the smoke run leaves them out.
@@ -59,7 +61,7 @@ VARIANTS = {
     "background": ("background", ()),
     "blocking": ("blocking", ()),
     "background-uncapped": ("background", ("--long-prefill-token-threshold", "0")),
-    "background-chunked-16": ("background", ("--long-prefill-token-threshold", "16")),
+    "background-chunked-32": ("background", ("--long-prefill-token-threshold", "32")),
     "background-chunked-64": ("background", ("--long-prefill-token-threshold", "64")),
     "background-all-cores": ("background", ("--cpu-reserved-cores", "0")),
 }

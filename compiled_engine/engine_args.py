@@ -41,10 +41,11 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 # (docs/performance.md, "Async loop") measured the worker-thread loop slower than the synchronous one.
 ASYNC_SCHEDULING_DEFAULT = {"cuda": True, "cpu": False}
 # `long_prefill_token_threshold=None`: 0 (no cap) in-process; under `compiled-engine serve`, per
-# device. CPU: 32 prompt tokens a step while any request decodes, so an arriving prompt lengthens
+# device. CPU: 16 prompt tokens a step while any request decodes, so an arriving prompt lengthens
 # the steps of the streams already decoding by a bounded amount (docs/performance.md, "No stalls":
-# uncapped, p99 inter-token latency was 5.6-7.7x its median). CUDA: no cap, as vLLM.
-SERVING_LONG_PREFILL_DEFAULT = {"cpu": 32, "cuda": 0}
+# uncapped, p99 inter-token latency was 5.6-7.7x its median; capped at 32, 3.4-4.2x; at 16,
+# 2.5-3.1x on the same machine). CUDA: no cap, as vLLM.
+SERVING_LONG_PREFILL_DEFAULT = {"cpu": 16, "cuda": 0}
 # kernels/backends.py ATTENTION_BACKENDS (a test keeps the two equal; importing it here costs torch).
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -145,7 +146,7 @@ class EngineArgs:
         "most prompt tokens one request prefills per step (0: up to the step budget); while any "
         "request decodes, also the most prompt tokens of the whole step, so a small value bounds "
         "how much new prompts lengthen the steps of requests already decoding (default: 0 "
-        "in-process; under `compiled-engine serve`, 32 on CPU and 0 on CUDA)",
+        "in-process; under `compiled-engine serve`, 16 on CPU and 0 on CUDA)",
     )
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(
