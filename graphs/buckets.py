@@ -94,17 +94,19 @@ def bucket_shape(bucket: int, max_num_seqs: int) -> BucketShape:
 
 
 def eager_shape(
-    num_tokens: int, num_seqs: int, num_logits: int, buckets: Sequence[int]
+    num_tokens: int, num_seqs: int, num_logits: int, buckets: Sequence[int], max_num_seqs: int
 ) -> tuple[int, int, int]:
     """Padded (tokens, sequences, logits rows) for a step run eagerly at bucket shapes: each
-    padded to its own bucket (a bucket graph pads sequences and logits rows to the token bucket,
-    as its shape is fixed; eager ops take any shape, so a step with a prompt chunk does not
-    compute an LM-head row per padded token slot). The step must fit the largest bucket."""
+    padded to its own bucket, sequences and rows at most `max_num_seqs` (a bucket graph pads
+    sequences and logits rows to the token bucket, as its shape is fixed; eager ops take any
+    shape, so a step with a prompt chunk does not compute an LM-head row per padded token slot).
+    The step must fit the largest bucket."""
     tokens = bucket_for(num_tokens, buckets)
     if tokens is None:
         raise ValueError(f"a {num_tokens}-token step is above the largest bucket ({buckets[-1]})")
-    seqs = bucket_for(num_seqs, buckets) or tokens
-    return tokens, seqs, bucket_for(num_logits, buckets) or seqs
+    seqs = max(num_seqs, min(bucket_for(num_seqs, buckets) or tokens, max_num_seqs))
+    logits = max(num_logits, min(bucket_for(num_logits, buckets) or seqs, seqs))
+    return tokens, seqs, logits
 
 
 def pad_step(

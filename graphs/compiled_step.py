@@ -329,7 +329,9 @@ class CompiledStep:
         # eager ops a dozen shapes, not one per token count, so their per-shape set-up (oneDNN
         # primitives, allocator growth) is paid a dozen times, not at every new step size.
         if graph == EAGER and isinstance(wanted, int):
-            tokens, seqs, logits = eager_shape(num_tokens, inputs.seq_lens.shape[0], num_logits, self.buckets)
+            tokens, seqs, logits = eager_shape(
+                num_tokens, inputs.seq_lens.shape[0], num_logits, self.buckets, self.max_num_seqs
+            )
             padded = pad_step(self.buffers, inputs, tokens, seqs, logits, width)
         elif isinstance(graph, int):
             shape = bucket_shape(graph, self.max_num_seqs)

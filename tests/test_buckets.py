@@ -91,12 +91,15 @@ def _fill_step(buffers: StepInputs) -> StepInputs:
 def test_eager_shape_pads_sequences_and_logits_rows_to_their_own_buckets():
     buckets = [1, 2, 4, 8, 16, 32, 48, 64]
     # Three decodes and a 32-token prompt chunk: 35 tokens, 4 sequences, 3 sampled rows.
-    assert eager_shape(35, 4, 3, buckets) == (48, 4, 4)
-    assert eager_shape(1, 1, 1, buckets) == (1, 1, 1)
-    assert eager_shape(64, 64, 64, buckets) == (64, 64, 64)
-    assert eager_shape(20, 3, 0, buckets) == (32, 4, 1)  # a chunk that samples nothing
+    assert eager_shape(35, 4, 3, buckets, 256) == (48, 4, 4)
+    assert eager_shape(1, 1, 1, buckets, 256) == (1, 1, 1)
+    assert eager_shape(64, 64, 64, buckets, 256) == (64, 64, 64)
+    assert eager_shape(20, 3, 0, buckets, 256) == (32, 4, 1)  # a chunk that samples nothing
+    # Never more sequences than the engine runs (its buffers' room), never fewer than the step's.
+    assert eager_shape(35, 3, 3, buckets, 3) == (48, 3, 3)
+    assert eager_shape(40, 5, 5, buckets, 6) == (48, 6, 6)
     with pytest.raises(ValueError, match="above the largest bucket"):
-        eager_shape(65, 1, 1, buckets)
+        eager_shape(65, 1, 1, buckets, 256)
 
 
 def test_pad_step_writes_inert_padding():
