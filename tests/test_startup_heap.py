@@ -18,7 +18,9 @@ def test_freezing_moves_live_objects_out_of_collections_and_frees_garbage_first(
     collected_before = gc.get_stats()[2]["collected"]
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= len(alive)
+        # Not equal to a later get_freeze_count() in general: another thread of the test process
+        # may free frozen objects in between (seen: 4 fewer).
+        assert frozen >= len(alive) and gc.get_freeze_count() >= len(alive)
         assert gc.get_stats()[2]["collected"] > collected_before  # the cycle went before freezing
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in tracked for o in alive)  # frozen objects are not walked any more
