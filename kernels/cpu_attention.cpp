@@ -615,10 +615,6 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   constexpr bool kVnniKeys = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
                              kHeadDim % 64 == 0 && kHeadDim <= 128;
 #endif
-  // Every cache: the softmax in 16-lane vectors and this block's values prefetched while its
-  // scores compute (tuned below). Written for the quantized caches, measured to help float caches
-  // as well (docs/kv_cache_quantization.md, "Speed"), so no cache is left on the slower loops.
-  constexpr bool kTuned = true;
 
   int64_t position = -1;
   const int64_t seq = row_sequence(pb, t, &position);
@@ -655,8 +651,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   };
   auto prefetch_slot = [&](int64_t block_start, int64_t slot) {  // this item's heads of one slot
     const int64_t at = block_start + slot * pb.stride_slot + head_begin * pb.stride_head;
-    prefetch_row<kTuned ? 3 : 1>(keys + at, row_bytes);
-    prefetch_row<kTuned ? 3 : 1>(values + at, row_bytes);
+    prefetch_row<3>(keys + at, row_bytes);
+    prefetch_row<3>(values + at, row_bytes);
   };
   if (lo < hi) {
     for (int64_t c = lo / bs; c < std::min(lo / bs + kAhead, last_column + 1); ++c) {
@@ -679,7 +675,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
         if (ahead >= 0) {
           for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
         }
-        if constexpr (kTuned) {
+        {
           // The prefetch above, kAhead blocks early, left the values of this block waiting on
           // memory when the block_values loop reached them (the stall showed in profiles, and
           // on a Zen 5 asking for them again here, into L1, took ~25% off an int8 cache's time).
@@ -727,14 +723,15 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
       }
       float block_max = row_max[i];
 #if defined(__AVX512F__)
-      if constexpr (kTuned) {  // GCC leaves both loops scalar
-        for (int64_t j = 0; j < n; j += 16) {
-          const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
-          block_max = std::max(block_max, _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, si + j)));
-        }
-      } else
+      // Both softmax loops in 16-lane vectors (GCC leaves them scalar), on every cache
+      // (docs/kv_cache_quantization.md, "Speed").
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        block_max = std::max(block_max, _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, si + j)));
+      }
+#else
+      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
 #endif
-        for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
       // First block: the old max is -inf and there is nothing to rescale.
       const float correction = row_max[i] == -std::numeric_limits<float>::infinity()
                                    ? 0.0f
@@ -742,7 +739,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
       row_max[i] = block_max;
       float block_sum = 0.0f;
 #if defined(__AVX512F__)
-      if constexpr (kTuned) {
+      {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
           const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
@@ -751,8 +748,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
           sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));  // lanes past n: exp(0 - max), dropped
         }
         block_sum = _mm512_reduce_add_ps(sum);
-      } else
-#endif
+      }
+#else
       {
 #pragma omp simd reduction(+ : block_sum)
         for (int64_t j = 0; j < n; ++j) {
@@ -760,6 +757,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
           block_sum += si[j];
         }
       }
+#endif
       row_sum[i] = row_sum[i] * correction + block_sum;
       if (correction != 1.0f) {
         float* ai = acc + i * D;
