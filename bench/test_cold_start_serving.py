@@ -41,6 +41,7 @@ import pytest
 from bench.serving_harness import (
     ServerProcess,
     StreamRecord,
+    client_on_reserved_cores,
     http_get,
     inter_chunk_gaps,
     percentile,
@@ -277,7 +278,7 @@ def serve_cold_once(
         startup_s = server.wait_healthy()
         t0 = time.perf_counter()  # serving has started: every time below counts from here
         ready_samples: list = []
-        with quiet_client_heap() as collections:
+        with quiet_client_heap() as collections, client_on_reserved_cores(sizes.server_flags):
             streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_samples))
         counters = _graph_counters(http_get(f"{server.url}/metrics")[1])
         ready_at_end = json.loads(http_get(f"{server.url}/ready")[1])["graphs"]

@@ -682,6 +682,51 @@ def test_a_long_prefill_threshold_caps_the_prompts_of_a_whole_step_while_one_dec
     assert tokens_per_request(step(idle)[0]) == {"c": 8, "d": 8}
 
 
+def test_with_buckets_the_threshold_fills_a_decoding_step_to_the_bucket_below():
+    # Threshold 16, buckets (1, 2, 4, 8, 16, 24): 3 decodes + 16 prompt tokens would be 19, padded
+    # to 24; the step takes 13 and runs at 16. 9 decodes: 9 + 15 = 24 (the bucket within 25).
+    for decoding, chunk in ((3, 13), (9, 15)):
+        scheduler = make_scheduler(
+            long_prefill_token_threshold=16,
+            step_token_buckets=(1, 2, 4, 8, 16, 24),
+            max_num_seqs=16,
+            num_kv_blocks=256,
+        )
+        for i in range(decoding):
+            scheduler.add_request(make_request(f"d{i}", prompt_len=2, max_tokens=50))
+        step(scheduler)
+        scheduler.add_request(make_request("long", prompt_len=40))
+        counts = tokens_per_request(step(scheduler)[0])
+        assert counts.pop("long") == chunk
+        assert counts == {f"d{i}": 1 for i in range(decoding)}
+    # Without buckets the threshold itself.
+    scheduler = make_scheduler(long_prefill_token_threshold=16, num_kv_blocks=256)
+    for i in range(3):
+        scheduler.add_request(make_request(f"d{i}", prompt_len=2, max_tokens=50))
+    step(scheduler)
+    scheduler.add_request(make_request("long", prompt_len=40))
+    assert tokens_per_request(step(scheduler)[0])["long"] == 16
+
+
+def test_with_buckets_the_threshold_is_kept_where_the_bucket_below_leaves_under_half():
+    # 7 decodes + 16 = 23: the bucket below (16) would leave 9 >= 8; 6 decodes with buckets
+    # (1, 8, 32): the bucket below 22 is 8, leaving 2 < 8, so the threshold itself (16) stands.
+    scheduler = make_scheduler(
+        long_prefill_token_threshold=16, step_token_buckets=(1, 8, 32), num_kv_blocks=256
+    )
+    for i in range(6):
+        scheduler.add_request(make_request(f"d{i}", prompt_len=1, max_tokens=50))
+    step(scheduler)
+    scheduler.add_request(make_request("long", prompt_len=40))
+    assert tokens_per_request(step(scheduler)[0])["long"] == 16
+
+
+@pytest.mark.parametrize("buckets", [[1, 2], (2, 1), (1, 1), (0, 4), (1, True)])
+def test_bad_step_token_buckets_are_refused(buckets):
+    with pytest.raises(ValueError, match="step_token_buckets must be a tuple of ascending distinct ints"):
+        make_scheduler(step_token_buckets=buckets)
+
+
 def test_no_threshold_takes_a_prompt_up_to_the_budget():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("long", prompt_len=30))

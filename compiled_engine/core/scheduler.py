@@ -7,7 +7,9 @@ Policy, in one place:
   (and to `long_prefill_token_threshold` when set), so long prompts are chunked across steps and
   mix with decodes. While any running request decodes, the threshold also caps the prompt tokens
   of the whole step (vLLM caps each request only): several prompts arriving together then cannot
-  stack into one long step that every decoding stream waits for.
+  stack into one long step that every decoding stream waits for. With the runner's buckets
+  given (`step_token_buckets`), that cap comes down to fill the step to the largest bucket within
+  it (decodes + prompt tokens), so the step does not pay for padding it would not use.
 - A running request that cannot get blocks preempts the NEWEST running request (possibly
   itself): its blocks are freed and it goes back to the HEAD of the queue to recompute
   prompt + outputs later. The oldest request can therefore always take the whole cache, and
@@ -74,6 +76,7 @@ Speculative decoding (`speculative`, docs/speculative_decoding.md), while at mos
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -215,16 +218,34 @@ class Scheduler:
         return threshold if threshold > 0 else self._config.max_num_batched_tokens
 
     def _prefill_room(self) -> int:
-        """Most prompt (or recompute) tokens the whole step may take: the long-prefill threshold
-        while a running request decodes, so its next token waits for at most that many; else the
-        step budget."""
+        """Most prompt (or recompute) tokens the whole step may take: while running requests
+        decode, the long-prefill threshold, so their next token waits for at most that many,
+        brought down to fill the step to a bucket (`_aligned_room`); else the step budget."""
         threshold = self._config.long_prefill_token_threshold
-        if threshold > 0:
-            for request in self._running:
-                start = request.num_computed_tokens + request.num_in_flight_tokens
-                if request.history.num_tokens + request.num_pending_outputs - start <= 1:
-                    return threshold
-        return self._config.max_num_batched_tokens
+        if threshold <= 0:
+            return self._config.max_num_batched_tokens
+        decoding = 0
+        for request in self._running:
+            start = request.num_computed_tokens + request.num_in_flight_tokens
+            if request.history.num_tokens + request.num_pending_outputs - start <= 1:
+                decoding += 1
+        if not decoding:
+            return self._config.max_num_batched_tokens
+        return self._aligned_room(decoding, threshold)
+
+    def _aligned_room(self, decoding: int, threshold: int) -> int:
+        """Prompt tokens for a step with `decoding` one-token rows: up to the largest bucket
+        within `decoding + threshold`, when that keeps at least half the threshold; else the
+        threshold. A 3-decode step under a threshold of 16 takes 13 prompt tokens and runs at
+        bucket 16, where 16 would make 19 tokens, padded to 24: on the CPU's eager fallback the
+        24-token step cost ~1.35x the 16-token one (docs/performance.md, "Session 9")."""
+        buckets = self._config.step_token_buckets
+        below = bisect.bisect_right(buckets, decoding + threshold)
+        if below:
+            room = buckets[below - 1] - decoding
+            if room >= max(1, threshold // 2):
+                return room
+        return threshold
 
     def schedule(self) -> SchedulerOutput:
         if len(self._in_flight) >= self._config.max_in_flight_steps:

@@ -29,6 +29,12 @@ class SchedulerConfig:
     # of this name: a long prompt then takes several short chunks, so the steps it shares with
     # decoding requests stay short (lower tail inter-token latency, longer time to first token).
     long_prefill_token_threshold: int = 0
+    # The step sizes (token counts) the runner pads a step to (its compiled buckets; ascending;
+    # empty: none). With a long-prefill threshold, a step that decodes takes only as many prompt
+    # tokens as bring it to the largest of these within the threshold: the padding slots a
+    # bucket would add are then not spent, and the step costs its bucket below (Scheduler
+    # _prefill_room says when).
+    step_token_buckets: tuple[int, ...] = ()
     # Pipeline parallelism's steps in flight (P, one per stage; 1: off). Stage 0 starts step N+1
     # while later stages run step N, so the scheduler hands out up to this many steps before the
     # oldest is updated (max_in_flight_steps must equal it), with two rules of its own: a request
@@ -62,6 +68,16 @@ class SchedulerConfig:
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(
                 f"SchedulerConfig.long_prefill_token_threshold must be an int >= 0, got {threshold!r}"
+            )
+        buckets = self.step_token_buckets
+        if (
+            not isinstance(buckets, tuple)
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets)
+            or list(buckets) != sorted(set(buckets))
+        ):
+            raise ValueError(
+                f"SchedulerConfig.step_token_buckets must be a tuple of ascending distinct ints >= 1, "
+                f"got {buckets!r}"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(

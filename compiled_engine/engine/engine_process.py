@@ -39,6 +39,7 @@ from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import SERVING_LONG_PREFILL_DEFAULT
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.worker.cpu_cores import CoreSplit, pin_this_process, split_cores
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,10 @@ class EngineProcess:
         self.ready = ready
 
     @classmethod
-    def start(cls, args, log_level: int | None = None) -> EngineProcess:
+    def start(cls, args, log_level: int | None = None, step_cores: tuple[int, ...] = ()) -> EngineProcess:
         """Start the engine on `args` (an EngineArgs) and wait until it is built. A failure to
-        build is raised here, as the exception the engine raised (a bad model folder, say)."""
+        build is raised here, as the exception the engine raised (a bad model folder, say).
+        `step_cores`: pin the engine process to these cores before it builds (`serving_cores`)."""
         ours, theirs = socket.socketpair()
         for sock in (ours, theirs):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -153,7 +155,7 @@ class EngineProcess:
         conn = Connection(ours.detach())
         assert process.stdin is not None
         try:
-            pickle.dump((args, level), process.stdin)
+            pickle.dump((args, level, step_cores), process.stdin)
             process.stdin.close()
         except OSError:
             pass  # it died at once: the read below says so
@@ -208,6 +210,18 @@ def serving_defaults(args):
         device = args.resolve_device().type
         chosen["long_prefill_token_threshold"] = SERVING_LONG_PREFILL_DEFAULT.get(device, 0)
     return dataclasses.replace(args, **chosen) if chosen else args
+
+
+def serving_cores(args) -> CoreSplit | None:
+    """The cores of one local engine process and of the API server beside it: with cores
+    reserved (after `serving_defaults`) for a single-rank CPU engine, the engine's steps on the
+    step cores and the server (and its clients, and the background compiler) on the reserved
+    ones; None where nothing is split (no reservation, a GPU, several ranks)."""
+    args = serving_defaults(args)
+    if not args.cpu_reserved_cores or args.world_size > 1 or args.resolve_device().type != "cpu":
+        return None
+    split = split_cores(args.cpu_reserved_cores)
+    return split if split.other else None
 
 
 def _recv_within(conn: Connection, process: subprocess.Popen[bytes], timeout_s: float):
@@ -320,8 +334,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
-    args, level = pickle.load(sys.stdin.buffer)
+    args, level, step_cores = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=level)
+    if step_cores:
+        pin_this_process(step_cores)
     threading.Thread(target=_exit_if_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
         from compiled_engine.engine.llm_engine import LLMEngine

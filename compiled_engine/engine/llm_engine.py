@@ -284,6 +284,7 @@ class LLMEngine:
                 pipeline_depth=depth,
                 enable_prefix_caching=config.enable_prefix_caching,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                step_token_buckets=config.compile_buckets,
                 speculative=config.speculative,
             ),
             draft_proposer=self.draft_proposer,
