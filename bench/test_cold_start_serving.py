@@ -53,15 +53,18 @@ from bench.workloads import BenchRequest, mixed_requests
 # Variants: the server's compile policy and any extra flags. Every variant serves with `serve`'s
 # defaults otherwise, which on CPU cap the prompt tokens of a step at 16 while requests decode
 # (`--long-prefill-token-threshold`, engine_args.SERVING_LONG_PREFILL_DEFAULT); "-uncapped" turns
-# the cap off (the default before it), "-chunked-32" (the default before 16) and "-chunked-64" set
-# it to those. The
-# "-all-cores" one gives the step every core (`--cpu-reserved-cores 0`) instead of leaving one to
-# the API server and the client: the baseline of that default. Each is the same path as
-# "background" otherwise, so the smoke run leaves them out.
+# the cap off (the default before it); "-chunked-8", "-chunked-32" (the default before 16) and
+# "-chunked-64" set it to those. The "-all-cores" one gives the step every core
+# (`--cpu-reserved-cores 0`) instead of leaving one to the API server and the client: the baseline
+# of that default. Each is the same path as "background" otherwise, so the smoke run leaves them
+# out. While the workload runs, the client runs on the core `serve` reserves for the API server
+# and its clients (serving_harness.client_on_reserved_cores), as a client on another machine
+# would stay off the engine's cores.
 VARIANTS = {
     "background": ("background", ()),
     "blocking": ("blocking", ()),
     "background-uncapped": ("background", ("--long-prefill-token-threshold", "0")),
+    "background-chunked-8": ("background", ("--long-prefill-token-threshold", "8")),
     "background-chunked-32": ("background", ("--long-prefill-token-threshold", "32")),
     "background-chunked-64": ("background", ("--long-prefill-token-threshold", "64")),
     "background-all-cores": ("background", ("--cpu-reserved-cores", "0")),

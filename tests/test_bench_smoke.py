@@ -188,3 +188,26 @@ def test_report_rejects_a_json_not_from_the_bench_suites(tmp_path, capsys):
     path.write_text(json.dumps({"benchmarks": []}))
     assert report.main([str(path), "--out-dir", str(tmp_path), "--no-plots"]) == 1
     assert "compiled_engine_bench" in capsys.readouterr().err
+
+
+def test_step_report_buckets_steps_and_weights_periods_by_decoding_sequences(tmp_path):
+    from bench.cold_serving_variants import step_report
+
+    prefix = tmp_path / "steps"
+    # (started, ended, tokens, sequences, with a prompt chunk, outputs); an empty step is left out.
+    engine = [
+        (0.000, 0.002, 1, 1, 0, 1),
+        (0.002, 0.004, 1, 1, 0, 1),
+        (0.004, 0.010, 17, 2, 1, 1),  # 6 ms: one decoding sequence waits it
+        (0.010, 0.012, 2, 2, 0, 2),  # 2 ms, two decoding sequences
+        (0.012, 0.012, 0, 0, 0, 0),
+    ]
+    (tmp_path / "steps.1.json").write_text(json.dumps(engine))
+    (tmp_path / "steps.2.json").write_text(json.dumps(engine[:1]))  # the compiler's: shorter
+    report = step_report(prefix)
+    assert report["num_steps"] == 4
+    rows = {(r["bucket"], r["prompt_chunk"]): r["steps"] for r in report["step_costs"]}
+    assert rows == {(1, False): 2, (2, False): 1, (24, True): 1}
+    # Periods: 2 ms (1 seq), 6 ms (1 seq), 2 ms (2 seqs) -> [2, 2, 2, 6]: p50 2 ms, p99 6 ms.
+    assert abs(report["engine_itl"]["p50_s"] - 0.002) < 1e-9
+    assert abs(report["engine_itl"]["p99_s"] - 0.006) < 1e-9

@@ -238,7 +238,7 @@ class Scheduler:
         within `decoding + threshold`, when that keeps at least half the threshold; else the
         threshold. A 3-decode step under a threshold of 16 takes 13 prompt tokens and runs at
         bucket 16, where 16 would make 19 tokens, padded to 24: on the CPU's eager fallback the
-        24-token step cost ~1.35x the 16-token one (docs/performance.md, "Session 9")."""
+        24-token step cost ~1.27x the 16-token one (docs/performance.md, "Session 9")."""
         buckets = self._config.step_token_buckets
         below = bisect.bisect_right(buckets, decoding + threshold)
         if below:
