@@ -277,6 +277,7 @@ inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
 }
 
 constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
+constexpr int64_t kSpan = 4;  // blocks per online-softmax update (attend_row)
 
 // kLocality: __builtin_prefetch's (1: into the outer caches; 3: into L1 as well).
 template <int kLocality>
@@ -595,6 +596,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
   const int64_t heads = (head_end - head_begin) * group;  // query heads in this item
   const int64_t bs = pb.block_size;
+  const int64_t sbs = kSpan * bs;  // a head's scores: one span of blocks
   const T* query = static_cast<const T*>(pb.query);
   const C* keys = static_cast<const C*>(pb.key_cache);
   const C* values = static_cast<const C*>(pb.value_cache);
@@ -605,7 +607,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   float* q = work;
   float* acc = q + heads * D;
   float* scores = acc + heads * D;
-  float* row_max = scores + heads * bs;
+  float* row_max = scores + heads * sbs;
   float* row_sum = row_max + heads;
   // int8 keys with a bf16 / fp16 query (block_scores_vnni): the query's scale, correction and bytes.
   float* qscale = row_sum + heads;
@@ -661,63 +663,75 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
     }
   }
 
+  // kSpan blocks at a time: their scores first, then one online-softmax update over all of them,
+  // then their values. The softmax's per-update work (two lane reductions, the exponentials'
+  // set-up, rescaling every accumulator) is then paid once per span, not once per 16-key block.
   for (int64_t start = lo; start < hi;) {
-    const int64_t column = start / bs;
-    const int64_t stop = std::min(hi, (column + 1) * bs);
-    const int64_t n = stop - start;
-    const int64_t first_slot = block_offset(column) + (start - column * bs) * pb.stride_slot;
-    const int64_t ahead = column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
+    int64_t span_slot[kSpan], span_len[kSpan];
+    int64_t num_blocks = 0, n = 0;  // blocks in this span, keys in them
     bool fast = false;  // the SIMD block loops below ran (head dims of kLanes' multiples, small groups)
+    for (; num_blocks < kSpan && start < hi; ++num_blocks) {
+      const int64_t column = start / bs;
+      const int64_t stop = std::min(hi, (column + 1) * bs);
+      const int64_t m = stop - start;
+      const int64_t first_slot = block_offset(column) + (start - column * bs) * pb.stride_slot;
+      const int64_t ahead = column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
+      span_slot[num_blocks] = first_slot;
+      span_len[num_blocks] = m;
 
 #ifdef CE_ATTENTION_SIMD
-    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-      if (group <= kFastGroup) {
-        if (ahead >= 0) {
-          for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
+      if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+        if (group <= kFastGroup) {
+          if (ahead >= 0) {
+            for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
+          }
+          {
+            // The prefetch above, kAhead blocks early, left the values of this block waiting on
+            // memory when the block_values loop reached them (the stall showed in profiles, and
+            // on a Zen 5 asking for them again here, into L1, took ~25% off an int8 cache's time).
+            const int64_t at = first_slot + head_begin * pb.stride_head;
+            for (int64_t r = 0; r < m; ++r) prefetch_row<3>(values + at + r * pb.stride_slot, row_bytes);
+          }
+          for (int64_t h = head_begin; h < head_end; ++h) {
+            const int64_t i0 = (h - head_begin) * group;
+#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
+            if constexpr (kVnniKeys) {
+              block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, group,
+                                          keys + first_slot + h * pb.stride_head, pb.stride_slot, m,
+                                          pb.scale_offset, scores + i0 * sbs + n, sbs);
+              continue;
+            }
+#endif
+            block_scores<C, kHeadDim, quantized<T, C>()>(q + i0 * D, group, keys + first_slot + h * pb.stride_head,
+                                                         pb.stride_slot, m, pb.scale_offset, scores + i0 * sbs + n,
+                                                         sbs);
+          }
+          fast = true;
         }
-        {
-          // The prefetch above, kAhead blocks early, left the values of this block waiting on
-          // memory when the block_values loop reached them (the stall showed in profiles, and
-          // on a Zen 5 asking for them again here, into L1, took ~25% off an int8 cache's time).
-          const int64_t at = first_slot + head_begin * pb.stride_head;
-          for (int64_t r = 0; r < n; ++r) prefetch_row<3>(values + at + r * pb.stride_slot, row_bytes);
+      }
+#endif
+      for (int64_t j = 0; j < m && !fast; ++j) {
+        if (ahead >= 0) {  // all bs rows of it, also when this block is partial
+          for (int64_t r = j; r < bs; r += m) prefetch_slot(ahead, r);
         }
         for (int64_t h = head_begin; h < head_end; ++h) {
-          const int64_t i0 = (h - head_begin) * group;
-#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-          if constexpr (kVnniKeys) {
-            block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, group,
-                                        keys + first_slot + h * pb.stride_head, pb.stride_slot, n, pb.scale_offset,
-                                        scores + i0 * bs, bs);
-            continue;
+          const int64_t k = first_slot + j * pb.stride_slot + h * pb.stride_head;
+          // Quantized: the dot over the codes, then the row's scale once.
+          float key_scale = 1.0f;
+          if constexpr (quantized<T, C>()) key_scale = row_scale(keys + k, pb.scale_offset);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t i = (h - head_begin) * group + g;
+            float s = dot_row<C, kHeadDim>(q + i * D, keys + k, D);
+            if constexpr (quantized<T, C>()) s *= key_scale;
+            scores[i * sbs + n + j] = s;
           }
-#endif
-          block_scores<C, kHeadDim, quantized<T, C>()>(q + i0 * D, group, keys + first_slot + h * pb.stride_head,
-                                                       pb.stride_slot, n, pb.scale_offset, scores + i0 * bs, bs);
-        }
-        fast = true;
-      }
-    }
-#endif
-    for (int64_t j = 0; j < n && !fast; ++j) {
-      if (ahead >= 0) {  // all bs rows of it, also when this block is partial
-        for (int64_t r = j; r < bs; r += n) prefetch_slot(ahead, r);
-      }
-      for (int64_t h = head_begin; h < head_end; ++h) {
-        const int64_t k = first_slot + j * pb.stride_slot + h * pb.stride_head;
-        // Quantized: the dot over the codes, then the row's scale once.
-        float key_scale = 1.0f;
-        if constexpr (quantized<T, C>()) key_scale = row_scale(keys + k, pb.scale_offset);
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t i = (h - head_begin) * group + g;
-          float s = dot_row<C, kHeadDim>(q + i * D, keys + k, D);
-          if constexpr (quantized<T, C>()) s *= key_scale;
-          scores[i * bs + j] = s;
         }
       }
+      n += m;
+      start = stop;
     }
     for (int64_t i = 0; i < heads; ++i) {
-      float* si = scores + i * bs;
+      float* si = scores + i * sbs;
       if (capped) {
         for (int64_t j = 0; j < n; ++j) si[j] = pb.softcap * std::tanh(si[j] * pb.scale / pb.softcap);
       }
@@ -732,7 +746,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
 #else
       for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
 #endif
-      // First block: the old max is -inf and there is nothing to rescale.
+      // First span: the old max is -inf and there is nothing to rescale.
       const float correction = row_max[i] == -std::numeric_limits<float>::infinity()
                                    ? 0.0f
                                    : exp_nonpositive(row_max[i] - block_max);
@@ -764,32 +778,35 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
         for (int64_t d = 0; d < D; ++d) ai[d] *= correction;
       }
     }
+    for (int64_t b = 0, offset = 0; b < num_blocks; offset += span_len[b], ++b) {
+      const int64_t first_slot = span_slot[b];
+      const int64_t m = span_len[b];
 #ifdef CE_ATTENTION_SIMD
-    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-      if (fast) {
-        for (int64_t h = head_begin; h < head_end; ++h) {
-          const int64_t i0 = (h - head_begin) * group;
-          block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, group, scores + i0 * bs, bs,
-                                                       values + first_slot + h * pb.stride_head, pb.stride_slot, n,
-                                                       pb.scale_offset);
+      if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+        if (fast) {
+          for (int64_t h = head_begin; h < head_end; ++h) {
+            const int64_t i0 = (h - head_begin) * group;
+            block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, group, scores + i0 * sbs + offset, sbs,
+                                                         values + first_slot + h * pb.stride_head, pb.stride_slot, m,
+                                                         pb.scale_offset);
+          }
         }
       }
-    }
 #endif
-    for (int64_t j = 0; j < n && !fast; ++j) {
-      for (int64_t h = head_begin; h < head_end; ++h) {
-        const int64_t v = first_slot + j * pb.stride_slot + h * pb.stride_head;
-        // Quantized: the row's scale rides on the softmax weight.
-        float value_scale = 1.0f;
-        if constexpr (quantized<T, C>()) value_scale = row_scale(values + v, pb.scale_offset);
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t i = (h - head_begin) * group + g;
-          const float w = scores[i * bs + j] * value_scale;
-          axpy_row<C, kHeadDim>(acc + i * D, w, values + v, D);
+      for (int64_t j = 0; j < m && !fast; ++j) {
+        for (int64_t h = head_begin; h < head_end; ++h) {
+          const int64_t v = first_slot + j * pb.stride_slot + h * pb.stride_head;
+          // Quantized: the row's scale rides on the softmax weight.
+          float value_scale = 1.0f;
+          if constexpr (quantized<T, C>()) value_scale = row_scale(values + v, pb.scale_offset);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t i = (h - head_begin) * group + g;
+            const float w = scores[i * sbs + offset + j] * value_scale;
+            axpy_row<C, kHeadDim>(acc + i * D, w, values + v, D);
+          }
         }
       }
     }
-    start = stop;
   }
 
   for (int64_t i = 0; i < heads; ++i) {
@@ -812,7 +829,7 @@ void run(const Problem& pb, int num_threads) {
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
   const int64_t heads = per_chunk * group;
   // q, acc, scores, max, sum; then the int8-key query's scales, corrections and bytes (4 a value).
-  const int64_t work_floats = heads * (2 * pb.head_dim + pb.block_size + 2) + heads * (2 + pb.head_dim);
+  const int64_t work_floats = heads * (2 * pb.head_dim + kSpan * pb.block_size + 2) + heads * (2 + pb.head_dim);
 #pragma omp parallel num_threads(num_threads)
   {
     // The write first; the loop's barrier keeps every read after it. Padding rows all land on
