@@ -139,7 +139,7 @@ class EngineProcess:
     def start(cls, args, log_level: int | None = None, step_cores: tuple[int, ...] = ()) -> EngineProcess:
         """Start the engine on `args` (an EngineArgs) and wait until it is built. A failure to
         build is raised here, as the exception the engine raised (a bad model folder, say).
-        `step_cores`: pin the engine process to these cores before it builds (`serving_cores`)."""
+        `step_cores`: pin the engine process to these cores once it is built (`serving_cores`)."""
         ours, theirs = socket.socketpair()
         for sock in (ours, theirs):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -336,14 +336,16 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     args, level, step_cores = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=level)
-    if step_cores:
-        pin_this_process(step_cores)
     threading.Thread(target=_exit_if_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
         from compiled_engine.engine.llm_engine import LLMEngine
         from compiled_engine.engine.startup_heap import freeze_startup_heap
 
         engine = LLMEngine(serving_defaults(args))
+        if step_cores:
+            # Only now: building reads this process's cores to size the step threads and to pin
+            # the background compiler to the reserved ones (worker/cpu_cores.py split_cores).
+            pin_this_process(step_cores)
         freeze_startup_heap()  # no collector pass over the start-up heap mid-stream
         config = engine.config
         conn.send(EngineReady(config.max_model_len, config.model_dir, engine.tokenizer, engine.stats()))
