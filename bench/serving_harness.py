@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,27 +44,6 @@ class ClientCollections:
 
     full: int = 0
     longest_s: float = 0.0
-
-
-@contextlib.contextmanager
-def client_on_reserved_cores(server_flags: Sequence[str] = ()):
-    """Run the measuring client on the cores `serve` leaves to the API server and its clients
-    (its CPU default: one core reserved on a machine of two or more, engine_process
-    serving_defaults), as a client on another machine would be: off the engine's step cores.
-    A no-op where `serve` reserves none (OMP_NUM_THREADS set, one core, or the flags choose a
-    reservation themselves)."""
-    from compiled_engine.worker.cpu_cores import split_cores
-
-    before = os.sched_getaffinity(0)
-    reserving = "--cpu-reserved-cores" not in server_flags and "OMP_NUM_THREADS" not in os.environ
-    other = split_cores(1).other if reserving and len(before) >= 2 else ()
-    if other:
-        os.sched_setaffinity(0, other)
-    try:
-        yield other
-    finally:
-        if other:
-            os.sched_setaffinity(0, before)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,6 @@ import pytest
 from bench.serving_harness import (
     ServerProcess,
     StreamRecord,
-    client_on_reserved_cores,
     http_get,
     inter_chunk_gaps,
     percentile,
@@ -57,9 +56,7 @@ from bench.workloads import BenchRequest, mixed_requests
 # "-chunked-64" set it to those. The "-all-cores" one gives the step every core
 # (`--cpu-reserved-cores 0`) instead of leaving one to the API server and the client: the baseline
 # of that default. Each is the same path as "background" otherwise, so the smoke run leaves them
-# out. While the workload runs, the client runs on the core `serve` reserves for the API server
-# and its clients (serving_harness.client_on_reserved_cores), as a client on another machine
-# would stay off the engine's cores.
+# out.
 VARIANTS = {
     "background": ("background", ()),
     "blocking": ("blocking", ()),
@@ -281,7 +278,7 @@ def serve_cold_once(
         startup_s = server.wait_healthy()
         t0 = time.perf_counter()  # serving has started: every time below counts from here
         ready_samples: list = []
-        with quiet_client_heap() as collections, client_on_reserved_cores(sizes.server_flags):
+        with quiet_client_heap() as collections:
             streams = asyncio.run(run_workload(server.url, requests, arrivals, t0, ready_samples))
         counters = _graph_counters(http_get(f"{server.url}/metrics")[1])
         ready_at_end = json.loads(http_get(f"{server.url}/ready")[1])["graphs"]

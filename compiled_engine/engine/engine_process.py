@@ -39,7 +39,6 @@ from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import SERVING_LONG_PREFILL_DEFAULT
 from compiled_engine.outputs import RequestOutput
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.cpu_cores import CoreSplit, pin_this_process, split_cores
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +135,9 @@ class EngineProcess:
         self.ready = ready
 
     @classmethod
-    def start(cls, args, log_level: int | None = None, step_cores: tuple[int, ...] = ()) -> EngineProcess:
+    def start(cls, args, log_level: int | None = None) -> EngineProcess:
         """Start the engine on `args` (an EngineArgs) and wait until it is built. A failure to
-        build is raised here, as the exception the engine raised (a bad model folder, say).
-        `step_cores`: pin the engine process to these cores once it is built (`serving_cores`)."""
+        build is raised here, as the exception the engine raised (a bad model folder, say)."""
         ours, theirs = socket.socketpair()
         for sock in (ours, theirs):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -155,7 +153,7 @@ class EngineProcess:
         conn = Connection(ours.detach())
         assert process.stdin is not None
         try:
-            pickle.dump((args, level, step_cores), process.stdin)
+            pickle.dump((args, level), process.stdin)
             process.stdin.close()
         except OSError:
             pass  # it died at once: the read below says so
@@ -210,18 +208,6 @@ def serving_defaults(args):
         device = args.resolve_device().type
         chosen["long_prefill_token_threshold"] = SERVING_LONG_PREFILL_DEFAULT.get(device, 0)
     return dataclasses.replace(args, **chosen) if chosen else args
-
-
-def serving_cores(args) -> CoreSplit | None:
-    """The cores of one local engine process and of the API server beside it: with cores
-    reserved (after `serving_defaults`) for a single-rank CPU engine, the engine's steps on the
-    step cores and the server (and its clients, and the background compiler) on the reserved
-    ones; None where nothing is split (no reservation, a GPU, several ranks)."""
-    args = serving_defaults(args)
-    if not args.cpu_reserved_cores or args.world_size > 1 or args.resolve_device().type != "cpu":
-        return None
-    split = split_cores(args.cpu_reserved_cores)
-    return split if split.other else None
 
 
 def _recv_within(conn: Connection, process: subprocess.Popen[bytes], timeout_s: float):
@@ -334,7 +320,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
-    args, level, step_cores = pickle.load(sys.stdin.buffer)
+    args, level = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=level)
     threading.Thread(target=_exit_if_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
@@ -342,10 +328,6 @@ def main(argv: list[str]) -> int:
         from compiled_engine.engine.startup_heap import freeze_startup_heap
 
         engine = LLMEngine(serving_defaults(args))
-        if step_cores:
-            # Only now: building reads this process's cores to size the step threads and to pin
-            # the background compiler to the reserved ones (worker/cpu_cores.py split_cores).
-            pin_this_process(step_cores)
         freeze_startup_heap()  # no collector pass over the start-up heap mid-stream
         config = engine.config
         conn.send(EngineReady(config.max_model_len, config.model_dir, engine.tokenizer, engine.stats()))

@@ -80,12 +80,9 @@ class ProcessAsyncLLM(AsyncLLM):
         self._thread.start()
 
     @classmethod
-    def start(
-        cls, args: EngineArgs, *, log_requests: bool = True, step_cores: tuple[int, ...] = ()
-    ) -> ProcessAsyncLLM:
-        """Start an engine process on `args` and wrap it (a failure to build raises here);
-        `step_cores`: pin it to those (engine_process.serving_cores)."""
-        return cls(EngineProcess.start(args, step_cores=step_cores), log_requests=log_requests)
+    def start(cls, args: EngineArgs, *, log_requests: bool = True) -> ProcessAsyncLLM:
+        """Start an engine process on `args` and wrap it (a failure to build raises here)."""
+        return cls(EngineProcess.start(args), log_requests=log_requests)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, log_requests: bool = True) -> ProcessAsyncLLM:

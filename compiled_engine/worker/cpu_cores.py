@@ -4,15 +4,12 @@
 background graph compiler (worker/graph_compiler_process.py) is pinned to those same cores
 (graphs/background_builds.py), so its start-up (imports, model load, trace) and its Inductor
 compiles never take a step thread's core, where every op of a step would wait for the
-preempted thread. Under `compiled-engine serve` the engine process is pinned to the step cores
-and the API server to the reserved ones (`pin_this_process`), so neither is moved onto the
-other's core by the OS when both are busy (docs/performance.md, "Session 9").
+preempted thread.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from typing import NamedTuple
 
 
@@ -27,19 +24,3 @@ def split_cores(reserved: int, available: set[int] | None = None) -> CoreSplit:
     cores = sorted(os.sched_getaffinity(0) if available is None else available)
     keep = max(1, len(cores) - max(0, reserved))
     return CoreSplit(step=tuple(cores[:keep]), other=tuple(cores[keep:]))
-
-
-def pin_this_process(cores: Iterable[int]) -> None:
-    """Pin every thread of this process to `cores`; threads and processes it starts later
-    inherit it. Best effort: where the OS refuses (a core went away, no /proc), threads keep
-    the cores they had."""
-    wanted = set(cores)
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]  # this thread only
-    for tid in threads:
-        try:
-            os.sched_setaffinity(tid, wanted)
-        except OSError:  # the thread ended meanwhile, or the cores are not ours
-            pass

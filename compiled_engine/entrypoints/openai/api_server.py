@@ -26,8 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_engine.engine.async_llm import AsyncLLM
 from compiled_engine.engine.data_parallel import DataParallelAsyncLLM, replica_args, replica_starter
-from compiled_engine.engine.engine_process import serving_cores
-from compiled_engine.engine.process_async_llm import ProcessAsyncLLM
 from compiled_engine.engine.startup_heap import freeze_startup_heap
 from compiled_engine.engine_args import DEFAULT_MAX_REQUEST_BYTES, ServerArgs
 from compiled_engine.entrypoints.openai.errors import OpenAIError, bad_request, error_response
@@ -39,7 +37,6 @@ from compiled_engine.entrypoints.openai.served_models import ServedModels
 from compiled_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from compiled_engine.entrypoints.openai.tool_parsers import tool_call_parser as tool_call_parser_named
-from compiled_engine.worker.cpu_cores import pin_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -217,16 +214,7 @@ def run_server(args: ServerArgs) -> int:
     if engine_args.data_parallel_size > 1:
         engine = DataParallelAsyncLLM.start(engine_args)
     else:  # one engine: a local process, or a Ray actor
-        one, backend = replica_args(engine_args, 1), engine_args.distributed_executor_backend
-        cores = serving_cores(one) if backend != "ray" else None
-        if cores is None:
-            engine = replica_starter(one, backend)()
-        else:
-            # A local CPU engine with cores reserved: its steps keep their cores and this process
-            # (HTTP, SSE framing) stays on the reserved ones, so the OS never moves it onto a
-            # step thread's core when both are busy (worker/cpu_cores.py).
-            engine = ProcessAsyncLLM.start(one, step_cores=cores.step)
-            pin_this_process(cores.other)
+        engine = replica_starter(replica_args(engine_args, 1), engine_args.distributed_executor_backend)()
     app = build_app(
         engine,
         served_model_names=names,
