@@ -15,6 +15,9 @@ each builds its cache (~270 MB for bf16) when it starts. Smoke: 4 sequences at 2
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 
@@ -96,9 +99,6 @@ def test_int8_over_bf16_interleaved(benchmark, request):
     each a round, so both see the same moments of a noisy machine. Reported in extra_info: each
     one's median call time and int8's median over bf16's (the per-dtype tests above run one
     after the other, so a machine that slows down between them moves their ratio)."""
-    import statistics
-    import time
-
     num_seqs, context, rounds = SIZES[request.config._bench_sizes.profile]
     op = torch.ops.compiled_engine.paged_attention_cpu
     steps = {dtype: decode_step(num_seqs, context, dtype) for dtype in ("auto", "int8")}
