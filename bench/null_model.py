@@ -7,7 +7,12 @@ the embedded model's tokenizer detokenizing every token — but the step graph i
 real text from a fixed table, no sampling maths). What a step then costs is the host's work:
 schedule + stage + load + sampling bookkeeping + update + outputs.
 
-    python -m bench.null_model [--running 1 64 256] [--steps 200] [--profile cprofile.out]
+    python -m bench.null_model [--running 1 64 256] [--steps 200] [--output-kind KIND ...]
+                               [--profile cprofile.out]
+
+`--output-kind` sets the requests' `SamplingParams.output_kind`: `final_only` is what
+`LLM.generate` asks of the engine, `delta` what the server's engine asks, `cumulative` the
+engine's default for a direct `LLMEngine` user (every step a snapshot of every request's tokens).
 
 `bench/test_host_overhead.py` times the same steps under pytest-benchmark.
 """
@@ -30,7 +35,7 @@ from compiled_engine.engine_args import EngineArgs
 from compiled_engine.graphs.device import runtime_for
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.records.graph_status import EAGER, GraphCall, GraphStatus
-from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.sampling_params import RequestOutputKind, SamplingParams
 from compiled_engine.worker import model_runner
 
 PROMPT_LEN = 32
@@ -147,12 +152,17 @@ def _text_token_ids(tokenizer) -> list[int]:
     return [t for t in tokenizer.encode(text, add_special_tokens=False) if t not in special]
 
 
-def start_decoding(engine: LLMEngine, num_running: int, seed: int = 0) -> list[str]:
+def start_decoding(
+    engine: LLMEngine,
+    num_running: int,
+    seed: int = 0,
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+) -> list[str]:
     """Queue `num_running` requests of distinct PROMPT_LEN-token prompts that never stop early,
     and step until every one of them is decoding (one token a step); returns their ids."""
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=output_kind)
     prompts = torch.randint(3, vocab, (num_running, PROMPT_LEN), generator=generator).tolist()
     request_ids = [engine.next_request_id() for _ in prompts]
     for request_id, prompt in zip(request_ids, prompts, strict=True):
@@ -197,28 +207,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--output-kind",
+        nargs="+",
+        choices=[kind.value for kind in RequestOutputKind],
+        default=[kind.value for kind in RequestOutputKind],
+    )
     parser.add_argument("--profile", help="write a cProfile of the timed steps to this file")
     args = parser.parse_args(argv)
     if args.steps > MAX_TOKENS - WARMUP_STEPS:
         parser.error(f"--steps must be at most {MAX_TOKENS - WARMUP_STEPS}: the requests end after that")
     engine = null_engine(max(args.running))
     for num_running in args.running:
-        request_ids = start_decoding(engine, num_running)
-        if args.profile:
-            import cProfile
+        for kind in args.output_kind:
+            request_ids = start_decoding(engine, num_running, output_kind=RequestOutputKind(kind))
+            if args.profile:
+                import cProfile
 
-            profiler = cProfile.Profile()
-            profiler.enable()
-        wall, cpu = time_steps(engine, args.steps)
-        if args.profile:
-            profiler.disable()
-            profiler.dump_stats(f"{args.profile}.{num_running}")
-        print(
-            f"{num_running:4d} running: wall median {statistics.median(wall) * 1e3:.3f} ms/step "
-            f"(min {min(wall) * 1e3:.3f}), thread CPU median {statistics.median(cpu) * 1e3:.3f} ms/step "
-            f"(min {min(cpu) * 1e3:.3f}), {len(wall)} steps"
-        )
-        stop_all(engine, request_ids)
+                profiler = cProfile.Profile()
+                profiler.enable()
+            wall, cpu = time_steps(engine, args.steps)
+            if args.profile:
+                profiler.disable()
+                profiler.dump_stats(f"{args.profile}.{num_running}.{kind}")
+            print(
+                f"{num_running:4d} running, {kind:>10}: wall median {statistics.median(wall) * 1e3:.3f} "
+                f"ms/step (min {min(wall) * 1e3:.3f}), thread CPU median "
+                f"{statistics.median(cpu) * 1e3:.3f} ms/step (min {min(cpu) * 1e3:.3f}), {len(wall)} steps"
+            )
+            stop_all(engine, request_ids)
     return 0
 
 

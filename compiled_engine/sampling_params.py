@@ -5,6 +5,7 @@ docs/sampling.md says what each one does and in which order the sampler applies 
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import numbers
@@ -12,6 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compiled_engine.errors import InvalidRequestError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request holds (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = "cumulative"  # everything generated so far (vLLM's default)
+    DELTA = "delta"  # only what is new since the request's previous output
+    FINAL_ONLY = "final_only"  # one output, when the request has finished
+
 
 # vLLM's default `max_logprobs`: the most top log-probabilities one token may ask for.
 MAX_LOGPROBS = 20
@@ -137,6 +147,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Constrained decoding (JSON schema, regex, choice, grammar): docs/structured_outputs.md.
     structured_outputs: StructuredOutputsParams | None = field(default=None, hash=False)
+    # What `LLMEngine.step()` reports for this request. `LLM.generate` sets FINAL_ONLY and the
+    # async engine DELTA (their streams rebuild what their readers ask for), so a running
+    # request costs neither a copy of its tokens nor an output record every step.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the list-valued fields; store tuples so the
@@ -218,6 +232,8 @@ class SamplingParams:
                         f"{name} must be None or in [0, {MAX_LOGPROBS}] (the engine's max_logprobs), "
                         f"got {value}"
                     )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequestError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

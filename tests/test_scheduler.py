@@ -756,3 +756,53 @@ def test_preemptions_of_a_step_that_scheduled_nothing_reach_the_next_step():
     assert out.preempted_request_ids == ("a",)  # applied before the step's own rows
     out, _ = step(scheduler)
     assert out.preempted_request_ids == ()
+
+
+# --- the decode fast path -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_decode_is_scheduled_as_the_general_path_schedules_it(in_flight):
+    """`_decode_request` (built field by field, every decoding request every step) equals
+    `_scheduled_request(request, 1)`, synchronously (the newest known token) and with a step in
+    flight (a placeholder), from the prompt's first sampled token on."""
+    scheduler = make_scheduler(max_in_flight_steps=in_flight, enable_prefix_caching=True)
+    request = make_request("a", prompt_len=6, max_tokens=12)
+    scheduler.add_request(request)
+    steps = [scheduler.schedule()]  # the prompt
+    for _ in range(8):
+        if in_flight == 1 or len(steps) == 2:
+            out = steps.pop(0)
+            ids = tuple(s.request_id for s in out.scheduled if s.sample)
+            scheduler.update(out, ModelRunnerOutput(ids, (NEXT_TOKEN,) * len(ids)))
+        start = request.num_computed_tokens + request.num_in_flight_tokens
+        pending = request.num_pending_outputs
+        assert request.history.num_tokens + pending - start == 1  # decoding
+        fast = scheduler._decode_request(request, start, pending)
+        assert fast == scheduler._scheduled_request(request, 1)
+        assert type(fast) is type(scheduler._scheduled_request(request, 1))
+        steps.append(scheduler.schedule())
+        # What schedule() itself hands out, with the block its allocation may have added.
+        blocks = scheduler._kv_cache_manager.get_block_ids("a")
+        assert steps[-1].scheduled == (fast._replace(block_ids=blocks),)
+
+
+def test_stopping_tokens_and_length_limit_end_requests_as_the_full_check_does():
+    """The update's quick test (request.stopping_token_ids, request.max_num_tokens) before the
+    full stop check: a stop token, EOS (not when ignored) and max_tokens each still end it."""
+    for params, eos, token, reason in (
+        ({"stop_token_ids": [5]}, frozenset(), 5, "stop"),
+        ({}, frozenset({9}), 9, "stop"),
+        ({"ignore_eos": True}, frozenset({9}), 9, "length"),
+        ({}, frozenset(), NEXT_TOKEN, "length"),
+    ):
+        scheduler = make_scheduler()
+        request = make_request("a", prompt_len=5, max_tokens=3, eos=eos, **params)
+        scheduler.add_request(request)
+        outputs = [out for _ in range(3) for out in step(scheduler, lambda _, t=token: t)[1]]
+        if reason == "stop":
+            assert outputs[0].finished and outputs[0].finish_reason == "stop"
+        else:
+            assert [o.finished for o in outputs] == [False, False, True]
+            assert outputs[-1].finish_reason == "length"
+        assert not scheduler.has_unfinished_requests()

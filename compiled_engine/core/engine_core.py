@@ -19,7 +19,8 @@ parallelism rank 0's broadcaster; the core imports neither.
 Sampling state: the runner reads, for requests that need it (penalties, min_tokens, prompt
 logprobs), the request's token history — the scheduler's own record, appended at each update —
 which the core registers and drops when the request ends; after each update the core passes the
-accepted tokens to `runner.record_outputs`, which only tensor-parallel workers' replicas need.
+accepted tokens to `runner.record_outputs` for the requests whose `add_request` said it keeps
+such state (only tensor-parallel workers' replicas of those histories need them).
 Logprobs come back with the runner's output and are attached to the update's records here
 (joined by request id, so tokens the update dropped carry none); prompt logprobs arrive chunk by
 chunk with the prefill and are attached to the request's first token.
@@ -66,12 +67,15 @@ class EngineCore(Generic[LaunchedT]):
         self._launched: deque[LaunchedT] = deque()
         # Prompt logprobs of requests still prefilling: one slot per prompt token after the first.
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        # Requests the runner keeps state for that follows their outputs (runner.record_outputs).
+        self._recorded: set[str] = set()
         self.timeline = CoreTimeline()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
         params = request.sampling_params
-        self.runner.add_request(request.request_id, request.history, params, request.eos_token_ids)
+        if self.runner.add_request(request.request_id, request.history, params, request.eos_token_ids):
+            self._recorded.add(request.request_id)
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = [None] * (request.num_prompt_tokens - 1)
 
@@ -90,6 +94,7 @@ class EngineCore(Generic[LaunchedT]):
         self.runner.remove_requests(request_ids)
         for request_id in request_ids:
             self._prompt_logprobs.pop(request_id, None)
+            self._recorded.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._launched)
@@ -184,16 +189,20 @@ class EngineCore(Generic[LaunchedT]):
         # Speculative decoding: a row that emitted a run has a record per token of it; the update
         # may have cut the run at a stop, so only the first len(new_token_ids) are attached.
         run_logprobs = runner_output.draft_logprobs or {}
+        recorded = self._recorded
         if logprobs is None and not self._prompt_logprobs:  # most steps: nothing to attach
-            for out in outputs:
-                record_outputs(out.request_id, out.new_token_ids)
+            if recorded:
+                for out in outputs:
+                    if out.request_id in recorded:
+                        record_outputs(out.request_id, out.new_token_ids)
             finished = [out.request_id for out in outputs if out.finished]
             if finished:
                 self._forget(finished)
             return outputs
         attached = []
         for out in outputs:
-            record_outputs(out.request_id, out.new_token_ids)
+            if out.request_id in recorded:
+                record_outputs(out.request_id, out.new_token_ids)
             token_logprobs = logprobs.get(out.request_id) if logprobs is not None else None
             run = run_logprobs.get(out.request_id)
             if run is not None:

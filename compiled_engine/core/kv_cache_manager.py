@@ -67,7 +67,9 @@ class KVCacheManager:
         self._block_pool = BlockPool(num_blocks)
         self._block_size = block_size
         self._enable_caching = enable_caching
-        self._request_blocks: dict[str, list[int]] = {}
+        # Tuples, replaced when a request gains blocks (once per block_size tokens), so every
+        # step's `get_block_ids` hands out the record itself, not a copy.
+        self._request_blocks: dict[str, tuple[int, ...]] = {}
         # Per request: how many of its leading blocks are settled for the prefix cache (registered
         # by it, taken as hits, or found to duplicate a block already cached).
         self._num_settled_blocks: dict[str, int] = {}
@@ -166,10 +168,13 @@ class KVCacheManager:
         if cached_block_ids:
             # Before allocating: the new blocks must not evict the hits.
             self._block_pool.take(cached_block_ids)
-            self._request_blocks[request_id] = list(cached_block_ids)
+            self._request_blocks[request_id] = tuple(cached_block_ids)
             self._num_settled_blocks[request_id] = len(cached_block_ids)
         if num_new:
-            self._request_blocks.setdefault(request_id, []).extend(self._block_pool.allocate(num_new))
+            self._request_blocks[request_id] = (
+                *self._request_blocks.get(request_id, ()),
+                *self._block_pool.allocate(num_new),
+            )
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -193,7 +198,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
         """The request's blocks in position order; empty if it holds none."""
-        return tuple(self._request_blocks.get(request_id, ()))
+        return self._request_blocks.get(request_id, ())
 
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks to the pool (no-op if it holds none)."""
@@ -209,6 +214,4 @@ class KVCacheManager:
         prefix, which other requests are likelier to share.
         """
         self._num_settled_blocks.pop(request_id, None)
-        block_ids = self._request_blocks.pop(request_id, [])
-        block_ids.reverse()
-        return block_ids
+        return list(reversed(self._request_blocks.pop(request_id, ())))

@@ -277,10 +277,12 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             pending = request.num_pending_outputs
+            history = request.history
             if depth > 1 and (pending or max_seqs_this_step <= len(scheduled)):
                 index += 1  # its token lands with a step in flight; or this step has its share
                 continue
-            if pending and self._reaches_length_limit(request):
+            # (max_num_tokens is prompt + max_tokens, at most max_model_len: see update.)
+            if pending and history.num_tokens + pending >= request.max_num_tokens:
                 index += 1  # ends by length once its owed tokens land: no step is spent on it
                 continue
             if pending and request.grammar is not None:
@@ -293,7 +295,7 @@ class Scheduler:
                 index += 1
                 continue
             start = request.num_computed_tokens + request.num_in_flight_tokens
-            num_known = request.history.num_tokens + pending - start
+            num_known = history.num_tokens + pending - start
             if num_known <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has no token to compute; "
@@ -321,6 +323,8 @@ class Scheduler:
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
+            elif num_known == 1 and request.grammar is None:  # a decode: most requests, most steps
+                scheduled.append(self._decode_request(request, start, pending))
             else:
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
             scheduled_requests.append(request)
@@ -430,6 +434,7 @@ class Scheduler:
             raise ValueError("the step verified proposals but the runner output has no num_accepted_drafts")
         cache_computed_blocks = self._kv_cache_manager.cache_computed_blocks
         caching = self._config.enable_prefix_caching
+        block_size = self._config.block_size
 
         outputs: list[EngineCoreOutput] = []
         finished_any = False
@@ -456,12 +461,20 @@ class Scheduler:
                 outputs.append(out)
                 continue
             request.num_computed_tokens += num_tokens
-            if caching:
+            # Every full block below the computed tokens was settled by the update before, so a
+            # one-token step completes one only when it fills its last slot.
+            if caching and (num_tokens > 1 or request.num_computed_tokens % block_size == 0):
                 cache_computed_blocks(request)
             if token_id is None:
                 continue
-            request.history.append(token_id)
-            status, stop_reason = self._stop_status(request, token_id)
+            history = request.history
+            history.append(token_id)
+            # Most tokens end nothing: two cheap tests before the full check (max_num_tokens is
+            # at most max_model_len: add_request refuses a request that could pass it).
+            if token_id in request.stopping_token_ids or history.num_tokens >= request.max_num_tokens:
+                status, stop_reason = self._stop_status(request, token_id)
+            else:
+                status = None
             if status is not None:
                 request.stop_reason = stop_reason
                 self._finish(request, status)
@@ -470,7 +483,9 @@ class Scheduler:
                     EngineCoreOutput(request.request_id, (token_id,), True, status.finish_reason, stop_reason)
                 )
             else:
-                outputs.append(EngineCoreOutput(request.request_id, (token_id,), False, None, None))
+                # tuple.__new__: the NamedTuple without its Python constructor (every request, every step).
+                fields = (request.request_id, (token_id,), False, None, None, None, None)
+                outputs.append(tuple.__new__(EngineCoreOutput, fields))
         self._forget_computing(step)
         self._kv_cache_manager.block_pool.free(step.deferred_blocks)
         if finished_any:
@@ -637,14 +652,6 @@ class Scheduler:
             if self._computing_block_hashes[block_hash] == 0:
                 del self._computing_block_hashes[block_hash]
 
-    def _reaches_length_limit(self, request: Request) -> bool:
-        """Whether the tokens it is owed already take it to max_tokens or max_model_len."""
-        num_outputs = len(request.output_token_ids) + request.num_pending_outputs
-        return (
-            num_outputs >= request.sampling_params.max_tokens
-            or request.num_tokens + request.num_pending_outputs >= self._config.max_model_len
-        )
-
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted_ids: list[str]) -> bool:
         """Get blocks for `request`'s next tokens, preempting the newest running requests as
         needed. False when `request` itself had to be preempted."""
@@ -715,6 +722,34 @@ class Scheduler:
             request.sampling_params,
             len(outputs) + pending,
             grammar_bitmask,
+        )
+
+    def _decode_request(self, request: Request, start: int, pending: int) -> ScheduledRequest:
+        """`_scheduled_request(request, 1)` for a request whose one token to compute is its newest
+        (at `start`): the known newest token, or, while a step in flight samples it, a
+        placeholder; it samples; no grammar. Built field by field in C (tuple.__new__ skips the
+        NamedTuple's Python constructor), since it runs for every decoding request every step."""
+        history = request.history
+        outputs = history.output_token_ids
+        if pending:
+            token = PLACEHOLDER_TOKEN_ID
+        else:
+            token = outputs[-1] if outputs else history.prompt_token_ids[-1]
+        return tuple.__new__(
+            ScheduledRequest,
+            (
+                request.request_id,
+                (token,),
+                start,
+                self._kv_cache_manager.get_block_ids(request.request_id),
+                True,
+                request.sampling_params,
+                len(outputs) + pending,
+                None,  # grammar_bitmask
+                0,  # num_draft_tokens
+                None,  # proposal_bitmasks
+                None,  # draft_probs
+            ),
         )
 
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:

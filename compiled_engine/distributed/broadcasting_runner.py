@@ -59,10 +59,10 @@ class BroadcastingRunner(Generic[LaunchedT]):
         history: TokenHistory,
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
-    ) -> None:
+    ) -> bool:
         message = AddRequest(request_id, history, params, frozenset(eos_token_ids))
         # Rank 0 keeps the owner's history itself; the workers unpickle replicas of it.
-        self._on_every_rank(
+        return self._on_every_rank(
             message, lambda: self._runner.add_request(request_id, history, params, message.eos_token_ids)
         )
 

@@ -8,10 +8,12 @@ commands that arrived and runs one `step()`. Each step's outputs go back to the 
 The event loop therefore never waits for a step, and every request in flight shares the
 continuous batch.
 
-A `RequestStream` keeps the latest output merged per completion index rather than a queue of
-snapshots: outputs are cumulative, so a slow consumer simply sees fewer, larger updates, and its
-memory does not grow with every step it missed. Deltas (`RequestOutputKind.DELTA`) are computed
-per consumer against what it was last given.
+The engine reports deltas (`SamplingParams.output_kind` DELTA: each output only this step's
+tokens and text), so no step copies a request's whole output. A `RequestStream` appends them to
+its completions rather than queueing them: a slow consumer simply sees fewer, larger updates,
+and its memory does not grow with every step it missed. What a consumer asks for is built from
+that record on demand: deltas against what it was last given, the cumulative output, or only
+the final one.
 
 Failure model. A request the engine refuses (bad prompt, too long) fails alone, at
 `add_request`. Any exception inside `step()` is fatal: which request caused it is unknown, so the
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
 import queue
 import threading
@@ -37,9 +38,11 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
-from compiled_engine.outputs import CompletionOutput, RequestOutput
+from compiled_engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from compiled_engine.records.graph_status import GraphStatus
-from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["AsyncLLM", "EngineClosedError", "EngineDeadError", "RequestOutputKind", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 # One line per finished request (key=value), on its own logger so a server can turn it on alone.
@@ -52,12 +55,6 @@ class EngineClosedError(RuntimeError):
 
 class EngineDeadError(EngineClosedError):
     """The engine thread failed; no request can be served any more (the cause is chained)."""
-
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"  # every output holds everything generated so far (vLLM's default)
-    DELTA = "delta"  # every output holds only what is new since the previous one
-    FINAL_ONLY = "final_only"  # one output, when the request has finished
 
 
 @dataclass(frozen=True)
@@ -93,6 +90,45 @@ class RequestStatsListener(Protocol):
 # -- the event-loop side of one request ---------------------------------------------------------------
 
 
+@dataclass
+class _Completion:
+    """One completion of a request: everything the engine reported for it so far."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # one dict per token, when logprobs were asked
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        if delta.text:
+            self.text_parts.append(delta.text)
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+
+    def output(self, since: tuple[int, int] = (0, 0)) -> CompletionOutput:
+        """As a CompletionOutput: all of it, or what came after `since` (text parts, tokens)."""
+        parts, tokens = since
+        if len(self.text_parts) > 1 and parts == 0:
+            self.text_parts[:] = ["".join(self.text_parts)]  # joined once, not at every read
+        return CompletionOutput(
+            index=self.index,
+            text="".join(self.text_parts[parts:]),
+            token_ids=tuple(self.token_ids[tokens:]),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else self.logprobs[tokens:],
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+
 class RequestStream:
     """Outputs of one request, as the event loop sees them. Iterate it once (`outputs()`)."""
 
@@ -109,7 +145,8 @@ class RequestStream:
         self._abort = abort
         self.accepted: asyncio.Future[None] = loop.create_future()
         self._changed = asyncio.Event()
-        self._latest: RequestOutput | None = None
+        self._completions: dict[int, _Completion] = {}  # by index, as the engine reported them
+        self._prompt_logprobs: PromptLogprobs | None = None
         self._prompt: tuple[str | None, tuple[int, ...]] = (None, ())
         self._error: BaseException | None = None
         self.finished = False
@@ -120,16 +157,20 @@ class RequestStream:
         if not self.accepted.done():
             self.accepted.set_result(None)
 
-    def _put(self, output: RequestOutput) -> None:
+    def _put(self, delta: RequestOutput) -> None:
+        """Add one engine output: what is new for the completions it carries."""
         if self.finished:
             return  # e.g. an output that was on its way when the request was aborted
-        if self._latest is not None and len(output.outputs) < self._num_completions:
-            # An output may carry only the completions that changed: merge by index.
-            merged = {c.index: c for c in self._latest.outputs}
-            merged.update((c.index, c) for c in output.outputs)
-            output = dataclasses.replace(output, outputs=tuple(merged[i] for i in sorted(merged)))
-        self._latest = output
-        self.finished = output.finished
+        for completion in delta.outputs:
+            record = self._completions.get(completion.index)
+            if record is None:
+                record = self._completions[completion.index] = _Completion(completion.index)
+            record.add(completion)
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_token_ids and not self._prompt[1]:
+            self._prompt = (delta.prompt, delta.prompt_token_ids)
+        self.finished = delta.finished
         self._changed.set()
 
     def _fail(self, error: BaseException) -> None:
@@ -147,78 +188,75 @@ class RequestStream:
         if self.finished:
             return
         self.finished = True
-        prompt, prompt_token_ids = self._prompt
-        completions = {} if self._latest is None else {c.index: c for c in self._latest.outputs}
         for index in range(self._num_completions):
-            if index not in completions:
-                completions[index] = CompletionOutput(index=index, text="", token_ids=(), finish_reason=None)
-        ended = tuple(
-            c if c.finish_reason is not None else dataclasses.replace(c, finish_reason="abort")
-            for c in (completions[i] for i in sorted(completions))
-        )
-        if self._latest is None:
-            self._latest = RequestOutput(self.request_id, prompt, prompt_token_ids, ended, finished=True)
-        else:
-            self._latest = dataclasses.replace(self._latest, outputs=ended, finished=True)
+            record = self._completions.setdefault(index, _Completion(index))
+            if record.finish_reason is None:
+                record.finish_reason = "abort"
         if not self.accepted.done():
             self.accepted.set_result(None)
         self._changed.set()
+
+    def _output(self, completions: tuple[CompletionOutput, ...]) -> RequestOutput:
+        prompt, prompt_token_ids = self._prompt
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            outputs=completions,
+            finished=self.finished,
+            prompt_logprobs=self._prompt_logprobs,
+        )
 
     async def outputs(
         self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs until the request finishes. Leaving early (break, cancel) aborts it."""
-        sent: dict[int, tuple[int, int, bool]] = {}  # index -> (tokens, chars, finished) given out
+        sent: dict[int, tuple[int, int, bool]] = {}  # index -> (text parts, tokens, finished) given out
         try:
             while True:
                 await self._changed.wait()
                 self._changed.clear()
                 if self._error is not None:
                     raise self._error
-                latest = self._latest
-                if latest is None:
+                if not self._completions and not self.finished:
                     continue
-                if output_kind is RequestOutputKind.FINAL_ONLY and not latest.finished:
+                finished = self.finished  # as of this output: it may change while the reader holds it
+                if output_kind is RequestOutputKind.FINAL_ONLY and not finished:
                     continue
                 if output_kind is RequestOutputKind.DELTA:
-                    delta = _delta(latest, sent)
+                    delta = self._delta(sent)
                     if delta.outputs or delta.finished:
                         yield delta
                 else:
-                    yield latest
-                if latest.finished:
+                    completions = self._completions
+                    yield self._output(tuple(completions[i].output() for i in sorted(completions)))
+                if finished:
                     return
         finally:
             if not self.finished:
                 self._abort(self.request_id)
 
+    def _delta(self, sent: dict[int, tuple[int, int, bool]]) -> RequestOutput:
+        """What was not given out yet, by completion; updates `sent`."""
+        changed = []
+        for index in sorted(self._completions):
+            record = self._completions[index]
+            parts, tokens, was_finished = sent.get(index, (0, 0, False))
+            now_finished = record.finish_reason is not None
+            if (
+                len(record.text_parts) == parts
+                and len(record.token_ids) == tokens
+                and now_finished == was_finished
+            ):
+                continue
+            # Text parts are never joined while a delta reader reads them (only at parts == 0, by
+            # a cumulative read), so its offsets stay valid.
+            changed.append(record.output((parts, tokens)))
+            sent[index] = (len(record.text_parts), len(record.token_ids), now_finished)
+        return self._output(tuple(changed))
+
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self.outputs()
-
-
-def _delta(latest: RequestOutput, sent: dict[int, tuple[int, int, bool]]) -> RequestOutput:
-    """`latest` reduced to what was not given out yet; updates `sent`."""
-    changed = []
-    for completion in latest.outputs:
-        tokens, chars, was_finished = sent.get(completion.index, (0, 0, False))
-        now_finished = completion.finish_reason is not None
-        if (
-            len(completion.token_ids) == tokens
-            and len(completion.text) == chars
-            and now_finished == was_finished
-        ):
-            continue
-        changed.append(
-            dataclasses.replace(
-                completion,
-                text=completion.text[chars:],
-                token_ids=completion.token_ids[tokens:],
-                # One logprobs dict per token: sliced like the tokens.
-                logprobs=None if completion.logprobs is None else completion.logprobs[tokens:],
-            )
-        )
-        sent[completion.index] = (len(completion.token_ids), len(completion.text), now_finished)
-    return dataclasses.replace(latest, outputs=tuple(changed))
 
 
 # -- engine-thread side ---------------------------------------------------------------------------------
@@ -346,6 +384,9 @@ class AsyncLLM:
                 f"request {request_id}: sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
         stream = RequestStream(request_id, params, asyncio.get_running_loop(), self.abort_nowait)
+        if params.output_kind is not RequestOutputKind.DELTA:
+            # The stream rebuilds whatever its reader asks for from the engine's deltas.
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         with self._lock:
             self._check_open()
             if request_id in self._streams:
@@ -488,10 +529,12 @@ class AsyncLLM:
             _call_soon(loop, _put_all, items)
 
     def _record_tokens(self, live: _LiveRequest, output: RequestOutput, now: float) -> None:
-        before = live.num_output_tokens
-        for completion in output.outputs:
-            live.tokens_by_index[completion.index] = len(completion.token_ids)
-        new = live.num_output_tokens - before
+        new = 0
+        for completion in output.outputs:  # deltas (the engine's output kind)
+            new += len(completion.token_ids)
+            live.tokens_by_index[completion.index] = live.tokens_by_index.get(completion.index, 0) + len(
+                completion.token_ids
+            )
         if new <= 0:
             return
         since_last = None if live.last_token_at is None else now - live.last_token_at

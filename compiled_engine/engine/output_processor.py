@@ -6,6 +6,11 @@ the core's logprobs records into vLLM's per-position dicts. A request with n > 1
 core as n child requests; they are gathered here into one RequestOutput with n completions,
 finished when all of them are.
 
+Each request's `SamplingParams.output_kind` says what it is told: CUMULATIVE, everything so far
+(a snapshot of its token ids every step); DELTA, only this step's tokens and text; FINAL_ONLY,
+one output when it ends, and, without stop strings, no text until then either (its tokens are
+detokenized in one pass at the end: the same text, and no work per step).
+
 Token ids are not kept here: each sequence reads its `TokenHistory`, the scheduler's record of
 the request (engine/request.py). The core hands back one update's outputs per step and they are
 processed before the next update, so the history then holds exactly the tokens reported so far.
@@ -22,7 +27,11 @@ from compiled_engine.outputs import CompletionOutput, Logprob, PromptLogprobs, R
 from compiled_engine.records.engine_core_output import EngineCoreOutput
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner_output import TokenLogprobs
-from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.sampling_params import RequestOutputKind, SamplingParams
+
+CUMULATIVE = RequestOutputKind.CUMULATIVE
+DELTA = RequestOutputKind.DELTA
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 _Record = TypeVar("_Record", CompletionOutput, RequestOutput)
 
@@ -36,7 +45,10 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     parent_id: str | None = None
     index: int = 0
-    text: str = ""
+    output_kind: RequestOutputKind = CUMULATIVE
+    # FINAL_ONLY without stop strings: nothing is detokenized until the request ends.
+    defer_text: bool = False
+    text: str = ""  # all of it (DELTA: not kept)
     logprobs: SampleLogprobs | None = None  # a list when logprobs were asked
     cumulative_logprob: float | None = None
     prompt_logprobs: PromptLogprobs | None = None
@@ -50,8 +62,11 @@ class _ParentState:
     prompt_token_ids: tuple[int, ...]
     child_ids: tuple[str, ...]
     completions: list[CompletionOutput]
+    output_kind: RequestOutputKind = CUMULATIVE
     num_finished: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    # DELTA: the children's completions of this step, by index, until the parent's output is built.
+    changed: dict[int, CompletionOutput] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,14 @@ class OutputProcessor:
             CompletionOutput(index=i, text="", token_ids=(), finish_reason=None) for i in range(params.n)
         ]
         prompt_token_ids = next(iter(histories.values())).prompt_token_ids
-        self._parents[request_id] = _ParentState(prompt, prompt_token_ids, tuple(histories), empty)
+        self._parents[request_id] = _ParentState(
+            prompt,
+            prompt_token_ids,
+            tuple(histories),
+            empty,
+            params.output_kind,
+            changed={} if params.output_kind is DELTA else None,
+        )
 
     def _new_state(
         self,
@@ -121,7 +143,9 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(
                 self.tokenizer, history.prompt_token_ids, stop=params.stop, min_tokens=params.min_tokens
             )
-        state = _RequestState(prompt, history, detok, parent_id, index)
+        kind = params.output_kind
+        defer = kind is FINAL_ONLY and detok is not None and not detok.has_stop_strings
+        state = _RequestState(prompt, history, detok, parent_id, index, kind, defer)
         if params.logprobs is not None:
             state.logprobs = []
             state.cumulative_logprob = 0.0
@@ -152,7 +176,11 @@ class OutputProcessor:
             state = self._states.get(out.request_id)
             if state is None:  # aborted or already ended by a stop string
                 continue
+            if state.defer_text and not (out.finished or state.logprobs is not None or out.prompt_logprobs):
+                continue  # FINAL_ONLY, running, nothing to keep: most requests of LLM.generate
             completion = self._update(state, out, stopped)
+            if completion is None:  # FINAL_ONLY, still running: nothing to report
+                continue
             finished = completion.finish_reason is not None
             if finished:
                 del self._states[out.request_id]
@@ -165,15 +193,24 @@ class OutputProcessor:
                         prompt_token_ids=state.history.prompt_token_ids,
                         outputs=(completion,),
                         finished=finished,
-                        prompt_logprobs=state.prompt_logprobs,
+                        # DELTA: once, with the update that brought them.
+                        prompt_logprobs=(
+                            state.prompt_logprobs
+                            if state.output_kind is not DELTA or out.prompt_logprobs is not None
+                            else None
+                        ),
                     )
                 )
                 continue
             parent = self._parents[state.parent_id]
             parent.completions[state.index] = completion
+            if parent.changed is not None:
+                parent.changed[state.index] = completion
             parent.num_finished += completion.finished
-            if state.prompt_logprobs is not None:
+            if out.prompt_logprobs is not None:  # sample 0's, with its first token
                 parent.prompt_logprobs = state.prompt_logprobs
+            if parent.output_kind is FINAL_ONLY and parent.num_finished < len(parent.child_ids):
+                continue
             if state.parent_id not in touched_parents:
                 touched_parents.add(state.parent_id)
                 ordered.append(state.parent_id)
@@ -182,13 +219,22 @@ class OutputProcessor:
         results = [item if isinstance(item, RequestOutput) else self._parent_output(item) for item in ordered]
         return ProcessedOutputs(results, stopped)
 
-    def _update(self, state: _RequestState, out: EngineCoreOutput, stopped: list[str]) -> CompletionOutput:
+    def _update(
+        self, state: _RequestState, out: EngineCoreOutput, stopped: list[str]
+    ) -> CompletionOutput | None:
+        """The sequence's completion after this update, as its output kind reports it; None for
+        a FINAL_ONLY request that is still running."""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         detokenizer = state.detokenizer
         # Tokens of this update past a stop string (speculative decoding emits several per step):
         # the history holds them, the output does not.
         num_cut = 0
-        if detokenizer is not None and (out.new_token_ids or out.finished):
+        delta = ""
+        if state.defer_text:
+            if out.finished and detokenizer is not None:
+                # No stop string can cut it: the whole output at once gives the same text.
+                state.text = detokenizer.append(state.history.output_token_ids, finished=True)
+        elif detokenizer is not None and (out.new_token_ids or out.finished):
             new_token_ids = out.new_token_ids
             if len(new_token_ids) > 1 and detokenizer.has_stop_strings:
                 delta = ""
@@ -201,7 +247,7 @@ class OutputProcessor:
             else:
                 # finished=True releases text held back while it could still start a stop string.
                 delta = detokenizer.append(new_token_ids, finished=out.finished)
-            if delta:
+            if delta and state.output_kind is not DELTA:
                 state.text += delta
             if detokenizer.stop_reason is not None:
                 finish_reason, stop_reason = "stop", detokenizer.stop_reason
@@ -209,16 +255,35 @@ class OutputProcessor:
                     stopped.append(out.request_id)
                 # else: finished in the core on the same token that completed a stop string:
                 # the string wins (it is what the user sees).
+        new_logprobs: SampleLogprobs | None = None
         if state.logprobs is not None and out.new_logprobs is not None:
             # _new_state sets both together when the request asks for logprobs.
             assert state.cumulative_logprob is not None
+            new_logprobs = []
             for record in out.new_logprobs[: len(out.new_logprobs) - num_cut]:
-                state.logprobs.append(self._logprob_dict(record))
+                new_logprobs.append(self._logprob_dict(record))
                 state.cumulative_logprob += record.logprob
+            if state.output_kind is not DELTA:
+                state.logprobs += new_logprobs
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [
                 None if r is None else self._logprob_dict(r) for r in out.prompt_logprobs
             ]
+        kind = state.output_kind
+        if kind is FINAL_ONLY and finish_reason is None:
+            return None
+        if kind is DELTA:
+            new_token_ids = out.new_token_ids
+            return _build(
+                CompletionOutput,
+                index=state.index,
+                text=delta,
+                token_ids=tuple(new_token_ids[: len(new_token_ids) - num_cut]),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=(new_logprobs or []) if state.logprobs is not None else None,
+                cumulative_logprob=state.cumulative_logprob,
+            )
         outputs = state.history.output_token_ids
         return _build(
             CompletionOutput,
@@ -237,13 +302,20 @@ class OutputProcessor:
         finished = parent.num_finished == len(parent.child_ids)
         if finished:
             del self._parents[parent_id]
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.changed is not None:  # DELTA: the completions this step changed; prompt logprobs once
+            completions = tuple(parent.changed[i] for i in sorted(parent.changed))
+            parent.changed.clear()
+            parent.prompt_logprobs = None
+        else:
+            completions = tuple(parent.completions)
         return RequestOutput(
             request_id=parent_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            outputs=tuple(parent.completions),
+            outputs=completions,
             finished=finished,
-            prompt_logprobs=parent.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logprob_dict(self, record: TokenLogprobs) -> dict[int, Logprob]:

@@ -17,7 +17,7 @@ from compiled_engine.outputs import RequestOutput
 from compiled_engine.pooling.outputs import EmbeddingRequestOutput
 from compiled_engine.pooling.pooling_engine import EmbedPrompt, PoolingEngine
 from compiled_engine.pooling_params import PoolingParams
-from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -172,8 +172,16 @@ class LLM:
         # rejects the call and leaves the engine exactly as it was.
         validated = engine.validate(prompts, sampling_params)
         ids = []
+        # Only the final outputs are returned, so the engine reports nothing else (vLLM does the same).
+        final_only: dict[int, SamplingParams] = {}
         try:
             for processed, params in validated:
+                if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    if id(params) not in final_only:
+                        final_only[id(params)] = dataclasses.replace(
+                            params, output_kind=RequestOutputKind.FINAL_ONLY
+                        )
+                    params = final_only[id(params)]
                 rid = engine.next_request_id()
                 engine.add_request(rid, processed, params)
                 ids.append(rid)

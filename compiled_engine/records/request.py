@@ -149,10 +149,19 @@ class Request:
     # The request's tokens (prompt, accepted outputs): the one record of them, shared read-only
     # with the runner and the output processor; the scheduler appends to it at update.
     history: TokenHistory = field(init=False, repr=False)
+    # For the scheduler's check of every sampled token: the ids that end it (stop tokens, and
+    # EOS unless ignored) and the length that ends it (prompt + max_tokens).
+    stopping_token_ids: frozenset[int] = field(init=False, repr=False)
+    max_num_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.history = TokenHistory(self.prompt_token_ids)
         self.prompt_token_ids = self.history.prompt_token_ids
+        params = self.sampling_params
+        self.stopping_token_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
 
     @property
     def output_token_ids(self) -> Sequence[int]:

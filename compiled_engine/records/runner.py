@@ -65,9 +65,10 @@ class Runner(Protocol[LaunchedT]):
         history: TokenHistory,
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
-    ) -> None:
+    ) -> bool:
         """A new request: keep what its sampling needs beyond a step's tokens, if anything (its
-        history is the scheduler's record, read, never copied, in this process)."""
+        history is the scheduler's record, read, never copied, in this process). True when it
+        keeps such state: only then has `record_outputs` anything to do for the request."""
         ...
 
     def record_outputs(self, request_id: str, token_ids: Sequence[int]) -> None:

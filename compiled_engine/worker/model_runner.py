@@ -190,13 +190,15 @@ class ModelRunner:
         history: TokenHistory,
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
-    ) -> None:
+    ) -> bool:
         """Keep what the request's sampling needs beyond a step's tokens, if anything: penalties
         count its prompt and outputs, min_tokens bans its EOS ids, prompt logprobs read its prompt.
         `history` is the scheduler's record, read at staging and never copied here (under tensor
         parallelism a worker receives a replica of it: see record_outputs)."""
         if params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None:
             self.request_states[request_id] = RequestState(history, frozenset(eos_token_ids))
+            return True
+        return False
 
     def record_outputs(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Output tokens the scheduler accepted for a request (after a step's update).
