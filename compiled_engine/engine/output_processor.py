@@ -18,7 +18,7 @@ processed before the next update, so the history then holds exactly the tokens r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -272,28 +272,24 @@ class OutputProcessor:
         kind = state.output_kind
         if kind is FINAL_ONLY and finish_reason is None:
             return None
-        if kind is DELTA:
-            new_token_ids = out.new_token_ids
-            return _build(
-                CompletionOutput,
-                index=state.index,
-                text=delta,
-                token_ids=tuple(new_token_ids[: len(new_token_ids) - num_cut]),
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                logprobs=(new_logprobs or []) if state.logprobs is not None else None,
-                cumulative_logprob=state.cumulative_logprob,
-            )
-        outputs = state.history.output_token_ids
+        logprobs: SampleLogprobs | None = None
+        tokens: Sequence[int]
+        if kind is DELTA:  # this update's part
+            text, tokens = delta, out.new_token_ids
+            if state.logprobs is not None:
+                logprobs = new_logprobs or []
+        else:  # everything so far, as a snapshot: the output is immutable
+            text, tokens = state.text, state.history.output_token_ids
+            if state.logprobs is not None:
+                logprobs = list(state.logprobs)
         return _build(
             CompletionOutput,
             index=state.index,
-            text=state.text,
-            # A snapshot: the output is immutable.
-            token_ids=tuple(outputs[: len(outputs) - num_cut] if num_cut else outputs),
+            text=text,
+            token_ids=tuple(tokens[: len(tokens) - num_cut] if num_cut else tokens),
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=logprobs,
             cumulative_logprob=state.cumulative_logprob,
         )
 
