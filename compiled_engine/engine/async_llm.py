@@ -40,6 +40,7 @@ from compiled_engine.engine_args import EngineArgs
 from compiled_engine.errors import InvalidRequestError
 from compiled_engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from compiled_engine.records.graph_status import GraphStatus
+from compiled_engine.records.output_delta import CompletionDelta, RequestDelta
 from compiled_engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineClosedError", "EngineDeadError", "RequestOutputKind", "RequestStream"]
@@ -102,7 +103,7 @@ class _Completion:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
 
-    def add(self, delta: CompletionOutput) -> None:
+    def add(self, delta: CompletionOutput | CompletionDelta) -> None:
         if delta.text:
             self.text_parts.append(delta.text)
         self.token_ids += delta.token_ids
@@ -157,8 +158,9 @@ class RequestStream:
         if not self.accepted.done():
             self.accepted.set_result(None)
 
-    def _put(self, delta: RequestOutput) -> None:
-        """Add one engine output: what is new for the completions it carries."""
+    def _put(self, delta: RequestOutput | RequestDelta) -> None:
+        """Add one engine output: what is new for the completions it carries (its prompt is the
+        one `_accept` got, which always comes first)."""
         if self.finished:
             return  # e.g. an output that was on its way when the request was aborted
         for completion in delta.outputs:
@@ -168,8 +170,6 @@ class RequestStream:
             record.add(completion)
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = delta.prompt_logprobs
-        if delta.prompt_token_ids and not self._prompt[1]:
-            self._prompt = (delta.prompt, delta.prompt_token_ids)
         self.finished = delta.finished
         self._changed.set()
 
@@ -508,10 +508,11 @@ class AsyncLLM:
         self._engine.abort_request([command.request_id])
         self._record_finished(command.request_id, live, "abort")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: Sequence[RequestOutput] | Sequence[RequestDelta]) -> None:
+        """A step's outputs (deltas: the engine's output kind) to their streams' event loops."""
         now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(
-            list
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | RequestDelta]]] = (
+            defaultdict(list)
         )
         for output in outputs:
             live = self._live.get(output.request_id)
@@ -528,7 +529,7 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
-    def _record_tokens(self, live: _LiveRequest, output: RequestOutput, now: float) -> None:
+    def _record_tokens(self, live: _LiveRequest, output: RequestOutput | RequestDelta, now: float) -> None:
         new = 0
         for completion in output.outputs:  # deltas (the engine's output kind)
             new += len(completion.token_ids)
@@ -598,7 +599,7 @@ def _dead_error(cause: BaseException) -> EngineDeadError:
     return error
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[RequestStream, RequestOutput | RequestDelta]]) -> None:
     for stream, output in items:
         stream._put(output)
 

@@ -8,8 +8,8 @@ wrapped in `multiprocessing.connection.Connection`, one pickled record per messa
     server → engine: a list of `AddRequest` / `AbortRequests` / `Shutdown` (batched by a sender thread)
     engine → server: `EngineReady` once built (or `EngineFailed`), then one `EngineUpdate` per loop
                      iteration that has news (accepted and refused requests, applied aborts, the
-                     step's outputs, stats), `EngineClosed` after a shutdown, `EngineFailed` if a
-                     step raised.
+                     step's outputs as tuples (records/output_delta.py), stats), `EngineClosed`
+                     after a shutdown, `EngineFailed` if a step raised.
 
 The engine side (`serve_engine`) runs the loop AsyncLLM's engine thread runs in-process: apply the
 commands that arrived, run one step while anything is unfinished, send what happened. Output
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from compiled_engine.distributed.ray_cluster import openmp_environment
 from compiled_engine.engine.stats import EngineStats
 from compiled_engine.engine_args import SERVING_LONG_PREFILL_DEFAULT
-from compiled_engine.outputs import RequestOutput
+from compiled_engine.records.output_delta import WireOutput, to_wire
 from compiled_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class EngineUpdate:
     accepted: list[Accepted] = field(default_factory=list)
     refused: list[Refused] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # aborts applied (requests it knew)
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[WireOutput] = field(default_factory=list)  # the step's, without prompts
     stats: EngineStats | None = None
 
 
@@ -267,7 +267,7 @@ def serve_engine(engine, conn: LoopConnection) -> None:
             else:
                 _abort(engine, command, update)
         if engine.has_unfinished_requests():
-            update.outputs = engine.step()
+            update.outputs = to_wire(engine.step())
         update.stats = engine.stats()
         if commands or busy:
             conn.send(update)

@@ -51,6 +51,7 @@ from compiled_engine.engine_args import EngineArgs
 if TYPE_CHECKING:
     from compiled_engine.engine.ray_engine import RayEngineHandle
 from compiled_engine.records.graph_status import GraphStatus
+from compiled_engine.records.output_delta import from_wire
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class ProcessAsyncLLM(AsyncLLM):
             if live is not None:
                 self._record_finished(request_id, live, "abort")
         if update.outputs:
-            self._deliver(update.outputs)
+            self._deliver(from_wire(update.outputs))
         if update.stats is not None:
             self._stats = update.stats
 
