@@ -763,9 +763,9 @@ def test_preemptions_of_a_step_that_scheduled_nothing_reach_the_next_step():
 
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_a_decode_is_scheduled_as_the_general_path_schedules_it(in_flight):
-    """`_decode_request` (built field by field, every decoding request every step) equals
-    `_scheduled_request(request, 1)`, synchronously (the newest known token) and with a step in
-    flight (a placeholder), from the prompt's first sampled token on."""
+    """The decode row `schedule()` builds in place (field by field, every decoding request every
+    step) equals `_scheduled_request(request, 1)`, synchronously (the newest known token) and with
+    a step in flight (a placeholder), from the prompt's first sampled token on."""
     scheduler = make_scheduler(max_in_flight_steps=in_flight, enable_prefix_caching=True)
     request = make_request("a", prompt_len=6, max_tokens=12)
     scheduler.add_request(request)
@@ -778,13 +778,16 @@ def test_a_decode_is_scheduled_as_the_general_path_schedules_it(in_flight):
         start = request.num_computed_tokens + request.num_in_flight_tokens
         pending = request.num_pending_outputs
         assert request.history.num_tokens + pending - start == 1  # decoding
-        fast = scheduler._decode_request(request, start, pending)
-        assert fast == scheduler._scheduled_request(request, 1)
-        assert type(fast) is type(scheduler._scheduled_request(request, 1))
+        general = scheduler._scheduled_request(request, 1)
+        in_flight_before = request.num_in_flight_tokens
         steps.append(scheduler.schedule())
-        # What schedule() itself hands out, with the block its allocation may have added.
+        (fast,) = steps[-1].scheduled
+        assert type(fast) is type(general)
+        # With the block its allocation may have added (the general path reads the list as is).
         blocks = scheduler._kv_cache_manager.get_block_ids("a")
-        assert steps[-1].scheduled == (fast._replace(block_ids=blocks),)
+        assert fast == general._replace(block_ids=blocks)
+        assert request.num_in_flight_tokens == in_flight_before + 1
+        assert request.num_pending_outputs == pending + 1
 
 
 def test_stopping_tokens_and_length_limit_end_requests_as_the_full_check_does():

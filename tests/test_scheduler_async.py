@@ -125,6 +125,28 @@ def test_preemption_waits_for_the_step_in_flight():
     assert [s.request_id for s in third.scheduled] == ["old"]
 
 
+def test_a_step_given_up_for_the_steps_in_flight_puts_nothing_in_flight():
+    """Rows built before a request that must wait for the step in flight to preempt are taken
+    back: the empty `waiting_for_in_flight` step leaves every request as it found it."""
+    scheduler = make_scheduler(num_kv_blocks=3, max_model_len=16)  # 3 blocks of 4
+    first_in = make_request("a", prompt_len=3, max_tokens=2)
+    full = make_request("b", prompt_len=8, max_tokens=2)
+    scheduler.add_request(first_in)
+    scheduler.add_request(full)
+    first = scheduler.schedule()  # both prompts: every block
+    assert [s.request_id for s in first.scheduled] == ["a", "b"]
+    # "a" decodes into its own block; "b" needs a fourth block, which only preemption could give.
+    second = scheduler.schedule()
+    assert second.is_empty and second.waiting_for_in_flight
+    for request, prompt_len in ((first_in, 3), (full, 8)):
+        assert request.num_in_flight_tokens == prompt_len and request.num_pending_outputs == 1
+    scheduler.update(first, sample_all(first))
+    third = scheduler.schedule()
+    assert third.preempted_request_ids == ("b",)
+    (row,) = third.scheduled
+    assert row.request_id == "a" and row.start_position == 3 and row.token_ids == (7,)
+
+
 def test_cancel_step_undoes_the_newest_step_only():
     scheduler = make_scheduler()
     request = make_request("a", prompt_len=4)

@@ -204,10 +204,7 @@ class Scheduler:
         if not self._in_flight:
             return
         step = self._in_flight.pop()
-        for scheduled, request in zip(step.output.scheduled, step.ordered, strict=True):
-            request.num_in_flight_tokens -= len(scheduled.token_ids)
-            request.num_pending_outputs -= scheduled.sample
-            request.has_proposals_in_flight = False  # a step with proposals has no other in flight
+        _return_in_flight(step.output.scheduled, step.ordered)
         self._forget_computing(step)
         self._release_after_in_flight(step.deferred_blocks)
 
@@ -261,7 +258,7 @@ class Scheduler:
         # Hoisted out of the loop below, which runs once per running request every step.
         prefill_cap = self._prefill_cap
         prefill_room = self._prefill_room()
-        allocate_slots = self._kv_cache_manager.allocate_slots
+        blocks_for = self._kv_cache_manager.blocks_for
         caching = self._config.enable_prefix_caching
         block_size = self._config.block_size
         running = self._running
@@ -313,23 +310,50 @@ class Scheduler:
             if can_speculate and start == request.history.num_tokens - 1:
                 proposal = self._propose(request, start, budget)
             drafts = proposal.token_ids
+            blocks = None if drafts else blocks_for(request.request_id, start + num_new_tokens)
             if drafts:
                 # A grammar may keep fewer of the proposals (their blocks stay allocated).
                 scheduled.append(self._speculative_request(request, start, proposal))
                 num_new_tokens = len(scheduled[-1].token_ids)
-            elif not allocate_slots(request.request_id, start + num_new_tokens):
+                request.has_proposals_in_flight = True
+            elif blocks is None:
                 if self._in_flight:
+                    _return_in_flight(scheduled, scheduled_requests)
                     return SchedulerOutput((), 0, (), (), waiting_for_in_flight=True)
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
-            elif num_known == 1 and request.grammar is None:  # a decode: most requests, most steps
-                scheduled.append(self._decode_request(request, start, pending))
+            elif num_known == 1 and request.grammar is None:
+                # A decode, most requests most steps: `_scheduled_request(request, 1)` built in
+                # place (tuple.__new__ skips the NamedTuple's Python constructor): the newest known
+                # token, or a placeholder while a step in flight samples it; it samples.
+                outputs = history.output_token_ids
+                if pending:
+                    token = PLACEHOLDER_TOKEN_ID
+                else:
+                    token = outputs[-1] if outputs else history.prompt_token_ids[-1]
+                fields = (
+                    request.request_id,
+                    (token,),
+                    start,
+                    blocks,
+                    True,  # sample
+                    request.sampling_params,
+                    len(outputs) + pending,
+                    None,  # grammar_bitmask
+                    0,  # num_draft_tokens
+                    None,  # proposal_bitmasks
+                    None,  # draft_probs
+                )
+                scheduled.append(tuple.__new__(ScheduledRequest, fields))
             else:
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
             scheduled_requests.append(request)
             if caching and (start + num_new_tokens) // block_size > start // block_size:
                 computing += self._completed_block_hashes(request, num_new_tokens)
+            # In flight from here: what later rows of this step and the steps after it see.
+            request.num_in_flight_tokens += num_new_tokens
+            request.num_pending_outputs += scheduled[-1].sample
             budget -= num_new_tokens
             index += 1
 
@@ -365,6 +389,8 @@ class Scheduler:
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
                 scheduled_requests.append(request)
                 computing += self._completed_block_hashes(request, num_new_tokens)
+                request.num_in_flight_tokens += num_new_tokens
+                request.num_pending_outputs += scheduled[-1].sample
                 budget -= num_new_tokens
                 prefill_room -= num_new_tokens
 
@@ -387,11 +413,6 @@ class Scheduler:
                 self._finished_since_last_schedule[:0] = finished_ids
             return output
         self._preempted_unsent.clear()
-        for s, request in zip(scheduled, scheduled_requests, strict=True):
-            request.num_in_flight_tokens += len(s.token_ids)
-            request.num_pending_outputs += s.sample
-            if s.num_draft_tokens:
-                request.has_proposals_in_flight = True
         requests = {r.request_id: r for r in scheduled_requests}
         self._in_flight.append(
             _InFlightStep(output, requests, scheduled_requests, computing_block_hashes=computing)
@@ -724,34 +745,6 @@ class Scheduler:
             grammar_bitmask,
         )
 
-    def _decode_request(self, request: Request, start: int, pending: int) -> ScheduledRequest:
-        """`_scheduled_request(request, 1)` for a request whose one token to compute is its newest
-        (at `start`): the known newest token, or, while a step in flight samples it, a
-        placeholder; it samples; no grammar. Built field by field in C (tuple.__new__ skips the
-        NamedTuple's Python constructor), since it runs for every decoding request every step."""
-        history = request.history
-        outputs = history.output_token_ids
-        if pending:
-            token = PLACEHOLDER_TOKEN_ID
-        else:
-            token = outputs[-1] if outputs else history.prompt_token_ids[-1]
-        return tuple.__new__(
-            ScheduledRequest,
-            (
-                request.request_id,
-                (token,),
-                start,
-                self._kv_cache_manager.get_block_ids(request.request_id),
-                True,
-                request.sampling_params,
-                len(outputs) + pending,
-                None,  # grammar_bitmask
-                0,  # num_draft_tokens
-                None,  # proposal_bitmasks
-                None,  # draft_probs
-            ),
-        )
-
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
         if params.stop_token_ids and token_id in params.stop_token_ids:
@@ -799,3 +792,11 @@ class Scheduler:
                 f"holds {self._config.num_cache_tokens} ({self._config.num_kv_blocks} blocks of "
                 f"{self._config.block_size}); shorten the prompt or lower max_tokens"
             )
+
+
+def _return_in_flight(scheduled: Iterable[ScheduledRequest], requests: Iterable[Request]) -> None:
+    """Undo what scheduling rows put in flight (a step cancelled, or one given up while built)."""
+    for row, request in zip(scheduled, requests, strict=True):
+        request.num_in_flight_tokens -= len(row.token_ids)
+        request.num_pending_outputs -= row.sample
+        request.has_proposals_in_flight = False  # a step with proposals has no other in flight
