@@ -179,11 +179,8 @@ class KVCacheManager:
 
     def blocks_for(self, request_id: str, num_total_tokens: int) -> tuple[int, ...] | None:
         """`allocate_slots(request_id, num_total_tokens)` then `get_block_ids(request_id)` in one
-        call (the scheduler's, once per running request every step: most requests own enough
-        blocks already); None, and no change, when the pool lacks the blocks."""
-        blocks = self._request_blocks.get(request_id)
-        if blocks is not None and 0 <= num_total_tokens <= len(blocks) * self._block_size:
-            return blocks
+        call (the scheduler's, once per running request every step); None, and no change, when the
+        pool lacks the blocks."""
         if not self.allocate_slots(request_id, num_total_tokens):
             return None
         return self._request_blocks.get(request_id, ())

@@ -315,7 +315,8 @@ class Scheduler:
                 # A grammar may keep fewer of the proposals (their blocks stay allocated).
                 scheduled.append(self._speculative_request(request, start, proposal))
                 num_new_tokens = len(scheduled[-1].token_ids)
-                request.has_proposals_in_flight = True
+                if scheduled[-1].num_draft_tokens:  # a grammar may have kept none
+                    request.has_proposals_in_flight = True
             elif blocks is None:
                 if self._in_flight:
                     _return_in_flight(scheduled, scheduled_requests)
@@ -323,29 +324,8 @@ class Scheduler:
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
-            elif num_known == 1 and request.grammar is None:
-                # A decode, most requests most steps: `_scheduled_request(request, 1)` built in
-                # place (tuple.__new__ skips the NamedTuple's Python constructor): the newest known
-                # token, or a placeholder while a step in flight samples it; it samples.
-                outputs = history.output_token_ids
-                if pending:
-                    token = PLACEHOLDER_TOKEN_ID
-                else:
-                    token = outputs[-1] if outputs else history.prompt_token_ids[-1]
-                fields = (
-                    request.request_id,
-                    (token,),
-                    start,
-                    blocks,
-                    True,  # sample
-                    request.sampling_params,
-                    len(outputs) + pending,
-                    None,  # grammar_bitmask
-                    0,  # num_draft_tokens
-                    None,  # proposal_bitmasks
-                    None,  # draft_probs
-                )
-                scheduled.append(tuple.__new__(ScheduledRequest, fields))
+            elif num_known == 1 and request.grammar is None:  # a decode: most requests, most steps
+                scheduled.append(self._decode_request(request, start, pending, blocks))
             else:
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
             scheduled_requests.append(request)
@@ -743,6 +723,37 @@ class Scheduler:
             request.sampling_params,
             len(outputs) + pending,
             grammar_bitmask,
+        )
+
+    @staticmethod
+    def _decode_request(
+        request: Request, start: int, pending: int, blocks: tuple[int, ...]
+    ) -> ScheduledRequest:
+        """`_scheduled_request(request, 1)` for a request whose one token to compute is its newest
+        (at `start`): the known newest token, or, while a step in flight samples it, a
+        placeholder; it samples; no grammar. Built field by field in C (tuple.__new__ skips the
+        NamedTuple's Python constructor), since it runs for every decoding request every step."""
+        history = request.history
+        outputs = history.output_token_ids
+        if pending:
+            token = PLACEHOLDER_TOKEN_ID
+        else:
+            token = outputs[-1] if outputs else history.prompt_token_ids[-1]
+        return tuple.__new__(
+            ScheduledRequest,
+            (
+                request.request_id,
+                (token,),
+                start,
+                blocks,
+                True,
+                request.sampling_params,
+                len(outputs) + pending,
+                None,  # grammar_bitmask
+                0,  # num_draft_tokens
+                None,  # proposal_bitmasks
+                None,  # draft_probs
+            ),
         )
 
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
