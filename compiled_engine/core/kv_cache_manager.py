@@ -154,12 +154,24 @@ class KVCacheManager:
         against the free blocks like a new one.
         """
         if not cached_block_ids:
-            # Most calls, once per running request every step: it mostly owns enough already.
-            blocks = self._request_blocks.get(request_id)
-            if blocks is not None and 0 <= num_total_tokens <= len(blocks) * self._block_size:
-                return True
-        elif request_id in self._request_blocks:
+            return self.blocks_for(request_id, num_total_tokens) is not None
+        if request_id in self._request_blocks:
             raise ValueError(f"request {request_id!r} already holds blocks: cache hits start a new list")
+        return self._grow(request_id, num_total_tokens, cached_block_ids)
+
+    def blocks_for(self, request_id: str, num_total_tokens: int) -> tuple[int, ...] | None:
+        """`allocate_slots(request_id, num_total_tokens)` then `get_block_ids(request_id)` in one
+        call; None, and no change, when the pool lacks the blocks."""
+        blocks = self._request_blocks.get(request_id)
+        if blocks is not None and 0 <= num_total_tokens <= len(blocks) * self._block_size:
+            # Most calls, once per running request every step: it mostly owns enough already.
+            return blocks
+        if not self._grow(request_id, num_total_tokens, ()):
+            return None
+        return self._request_blocks.get(request_id, ())
+
+    def _grow(self, request_id: str, num_total_tokens: int, cached_block_ids: Sequence[int]) -> bool:
+        """The slow path of both: new blocks from the pool (and the hits taken), or False."""
         owned = len(self._request_blocks.get(request_id, ())) + len(cached_block_ids)
         num_new = max(0, self.num_blocks_for_tokens(num_total_tokens) - owned)
         num_revived = sum(1 for block_id in cached_block_ids if self._block_pool.ref_count(block_id) == 0)
@@ -176,14 +188,6 @@ class KVCacheManager:
                 *self._block_pool.allocate(num_new),
             )
         return True
-
-    def blocks_for(self, request_id: str, num_total_tokens: int) -> tuple[int, ...] | None:
-        """`allocate_slots(request_id, num_total_tokens)` then `get_block_ids(request_id)` in one
-        call (the scheduler's, once per running request every step); None, and no change, when the
-        pool lacks the blocks."""
-        if not self.allocate_slots(request_id, num_total_tokens):
-            return None
-        return self._request_blocks.get(request_id, ())
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are all computed
