@@ -20,12 +20,14 @@ def test_split_keeps_the_lowest_cores_for_steps_and_at_least_one():
     assert set(mine.step) | set(mine.other) == os.sched_getaffinity(0)
 
 
-def test_deprioritize_nices_and_pins_a_child_before_it_runs_anything():
+def test_deprioritize_idles_nices_and_pins_a_child_before_it_runs_anything():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         last = max(os.sched_getaffinity(0))
         deprioritize(child.pid, 19, (last,))
         assert os.getpriority(os.PRIO_PROCESS, child.pid) == 19
+        # Idle class: any normal task waking on its core preempts it at once.
+        assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE
         assert os.sched_getaffinity(child.pid) == {last}
     finally:
         child.communicate(b"", timeout=30)

@@ -7,9 +7,10 @@ engine reads, then compiles each bucket it was given, in order, into that entry,
 each one on its pipe (graphs/background_builds.py reads the reports and hands the graphs to
 the serving process through the cache).
 
-It runs at the lowest CPU priority from its first instruction (the engine lowers it as it spawns
-it, graphs/background_builds.py), so on a busy machine the OS schedules serving first: the
-compiler takes what serving leaves (docs/performance.md measures what it costs the foreground).
+It runs at the lowest CPU priority (Linux's idle scheduling class, nice 19) from its first
+instruction (the engine lowers it as it spawns it, graphs/background_builds.py), so on a busy
+machine the OS schedules serving first: the compiler takes what serving leaves
+(docs/performance.md measures what it costs the foreground).
 With cores reserved (`cpu_reserved_cores`), it is pinned to those, off the step threads' cores.
 It holds a second copy of the weights while it runs, and exits when every bucket is built.
 """
