@@ -21,6 +21,7 @@ kv_cache_write, so functionalisation keeps the cache in place.
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -83,6 +84,41 @@ def paged_attention_cpu(
     sliding_window: int = -1,
     softcap: float = 0.0,
 ) -> torch.Tensor:
+    call = kernel_arguments(
+        query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, sliding_window
+    )
+    code = cpu_attention_build.load().ce_cpu_paged_attention(call.ints, scale, softcap)
+    if code == 3:
+        raise IndexError(f"slot_mapping holds a slot past the cache's {call.num_slots} slots")
+    if code != 0:
+        raise RuntimeError(f"paged_attention_cpu: the kernel rejected its arguments (code {code})")
+    return call.out
+
+
+class KernelCall(NamedTuple):
+    """One kernel call's integer arguments, the output they point at, and every tensor they point
+    into that the caller's arguments may not hold (converted copies): keep it until the call ends."""
+
+    ints: ctypes.Array
+    out: torch.Tensor
+    num_slots: int
+    tensors: tuple[torch.Tensor, ...]
+
+
+def kernel_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sliding_window: int = -1,
+) -> KernelCall:
+    """The op's checks and conversions, and the kernel's arguments
+    (`ce_cpu_paged_attention(call.ints, scale, softcap)` fills `call.out`); separate so that
+    bench/test_op_call.py can time the kernel's call alone."""
     _check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
     dtype = query.dtype
     kv_kind = _KV_KINDS.get(kv_cache.dtype, 0)
@@ -119,12 +155,8 @@ def paged_attention_cpu(
         sliding_window, _DTYPE_CODES[dtype], torch.get_num_threads(),
         kv_kind, kv_quant.scale_offset(head_dim),
     )  # fmt: skip
-    code = cpu_attention_build.load().ce_cpu_paged_attention(ints, scale, softcap)
-    if code == 3:
-        raise IndexError(f"slot_mapping holds a slot past the cache's {num_blocks * block_size} slots")
-    if code != 0:
-        raise RuntimeError(f"paged_attention_cpu: the kernel rejected its arguments (code {code})")
-    return out
+    tensors = (query, key, value, slot_mapping, block_tables, seq_lens, query_start_loc)
+    return KernelCall(ints, out, num_blocks * block_size, tensors)
 
 
 def _fake(

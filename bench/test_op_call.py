@@ -1,0 +1,110 @@
+"""What a CPU kernel's call costs around the kernel (#19, the one-request step): each custom op of
+the one-token decode step called as the compiled graphs call it (`torch.ops.compiled_engine.*`:
+the dispatcher, the op's Python implementation, its checks, the output's allocation, ctypes)
+against the same kernel called through ctypes alone, with its arguments built once.
+
+    python -m pytest bench/test_op_call.py -q -p no:cacheprovider \
+        --benchmark-columns=median,min,rounds --benchmark-json=OUT.json
+
+At bench-small's shapes (bench/models.py), one decode row, bf16: `paged_attention_cpu` over a
+128-token context (8 query heads, 4 KV heads of 64, blocks of 16), and `cpu_gemv` of a 512 x 512
+weight (the attention output projection). A bench-small step calls the attention op 6 times and
+the GEMV 25 times; the difference between the two rows of an op, times its calls, is what that op's
+Python side adds to every one-request step. Each timed call runs `CALLS` times in a loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_engine.kernels  # noqa: F401  (registers the ops)
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv
+from compiled_engine.kernels.cpu_attention_build import compiler
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16  # bench-small's attention
+HIDDEN = 512
+CONTEXT = 128
+DTYPE = torch.bfloat16
+CALLS = {"full": 1000, "quick": 1000, "smoke": 2}
+ROUNDS = {"full": 20, "quick": 5, "smoke": 1}
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler: the cpu kernels cannot be built")
+
+
+def attention_arguments() -> tuple:
+    gen = torch.Generator().manual_seed(0)
+    width = CONTEXT // BLOCK_SIZE
+    cache = torch.randn(2, width + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    tables = torch.arange(width, dtype=torch.int32).view(1, width)
+    last = CONTEXT - 1
+    return (
+        torch.randn(1, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DTYPE),
+        torch.randn(1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE),
+        torch.randn(1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE),
+        cache,
+        torch.tensor([last], dtype=torch.int64),
+        tables,
+        torch.tensor([CONTEXT], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        HEAD_DIM**-0.5,
+    )
+
+
+def _loop(call, times: int) -> None:
+    for _ in range(times):
+        call()
+
+
+@pytest.mark.parametrize("path", ["op", "kernel"])
+def test_attention_call(benchmark, request, path):
+    profile = request.config._bench_sizes.profile
+    args = attention_arguments()
+    op_out = torch.ops.compiled_engine.paged_attention_cpu(*args)
+    if path == "op":
+
+        def call():
+            torch.ops.compiled_engine.paged_attention_cpu(*args)
+
+    else:
+        prepared = cpu_attention.kernel_arguments(*args[:8])
+        kernel = cpu_attention_build.load().ce_cpu_paged_attention
+        scale = args[8]
+
+        def call():
+            kernel(prepared.ints, scale, 0.0)
+
+        call()
+        torch.testing.assert_close(prepared.out, op_out)  # the same work, not a cheaper one
+    benchmark.group = "op call: paged_attention_cpu, 1 row, 128 tokens of context"
+    benchmark.extra_info.update(path=path, calls_per_round=CALLS[profile])
+    benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
+
+
+@pytest.mark.parametrize("path", ["op", "kernel"])
+def test_gemv_call(benchmark, request, path):
+    profile = request.config._bench_sizes.profile
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
+    x = torch.randn(1, HIDDEN, generator=gen).to(DTYPE)
+    op_out = torch.ops.compiled_engine.cpu_gemv(x, weight, None)
+    if path == "op":
+
+        def call():
+            torch.ops.compiled_engine.cpu_gemv(x, weight, None)
+
+    else:
+        entry = cpu_gemv.PACKED_GEMV_WEIGHTS.get(weight)
+        kernel = cpu_gemv.load().ce_cpu_gemv
+        out = torch.empty(1, HIDDEN, dtype=DTYPE)
+        fixed = (x.data_ptr(), HIDDEN, 1, entry.packed_ptr, None, out.data_ptr(), HIDDEN, HIDDEN)
+        isa, threads = cpu_gemv.best_isa(), torch.get_num_threads()
+
+        def call():
+            kernel(*fixed, entry.dtype_code, isa, threads)
+
+        call()
+        torch.testing.assert_close(out, op_out)
+    benchmark.group = f"op call: cpu_gemv, 1 row, {HIDDEN} x {HIDDEN}"
+    benchmark.extra_info.update(path=path, calls_per_round=CALLS[profile])
+    benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
