@@ -50,11 +50,12 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     stdout = _run_bench_smoke(tmp_path, "bench", *(f"--ignore={suite}" for suite in ignored))
     # ttft, decode and throughput on bench-small, each for ours and HF; the detokenizer, Rust and
     # transformers decode; host work per step with the null model at 1, 64 and 256 running requests;
-    # decode attention on bf16, int8 and fp8 KV caches; the sampler's draw, ours and the
-    # exponential race, at two vocabulary sizes; one step's outputs on the engine process's pipe,
-    # old records and the wire form, at two prompt lengths; the attention and GEMV ops' calls, through
-    # the dispatcher and their kernels alone.
-    assert "26 passed" in stdout, stdout[-2000:]
+    # decode attention on bf16, int8 and fp8 KV caches, and int8 against bf16 interleaved; the
+    # sampler's draw, ours and the exponential race, at two vocabulary sizes; one step's outputs on
+    # the engine process's pipe, old records and the wire form, at two prompt lengths; the attention
+    # and GEMV ops' calls, through the dispatcher and their kernels alone; the openai client's cost
+    # per request, four prompt forms.
+    assert "31 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow
