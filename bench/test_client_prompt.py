@@ -29,9 +29,10 @@ ANSWER = (
     b'data: {"id":"c","object":"text_completion","created":1,"model":"m",'
     b'"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\ndata: [DONE]\n\n'
 )
+IDS_384 = [random.Random(0).randrange(4000) for _ in range(384)]
 PROMPTS = {
-    "ids-384-as-prompt": ([random.Random(0).randrange(4000) for _ in range(384)], False),
-    "ids-384-in-extra-body": ([random.Random(0).randrange(4000) for _ in range(384)], True),
+    "ids-384-as-prompt": (IDS_384, False),
+    "ids-384-in-extra-body": (IDS_384, True),
     "ids-16-as-prompt": ([random.Random(1).randrange(4000) for _ in range(16)], False),
     "text-as-prompt": ("def add(a, b):\n    return a + b\n" * 12, False),
 }

@@ -19,36 +19,17 @@ import pytest
 import torch
 
 import compiled_engine.kernels  # noqa: F401  (registers the ops)
+from bench.test_kv_cache_attention import QUERY_DTYPE as DTYPE
+from bench.test_kv_cache_attention import decode_step
 from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv
 from compiled_engine.kernels.cpu_attention_build import compiler
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16  # bench-small's attention
 HIDDEN = 512
 CONTEXT = 128
-DTYPE = torch.bfloat16
 CALLS = {"full": 1000, "quick": 1000, "smoke": 2}
 ROUNDS = {"full": 20, "quick": 5, "smoke": 1}
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler: the cpu kernels cannot be built")
-
-
-def attention_arguments() -> tuple:
-    gen = torch.Generator().manual_seed(0)
-    width = CONTEXT // BLOCK_SIZE
-    cache = torch.randn(2, width + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
-    tables = torch.arange(width, dtype=torch.int32).view(1, width)
-    last = CONTEXT - 1
-    return (
-        torch.randn(1, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DTYPE),
-        torch.randn(1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE),
-        torch.randn(1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE),
-        cache,
-        torch.tensor([last], dtype=torch.int64),
-        tables,
-        torch.tensor([CONTEXT], dtype=torch.int32),
-        torch.tensor([0, 1], dtype=torch.int32),
-        HEAD_DIM**-0.5,
-    )
 
 
 def _loop(call, times: int) -> None:
@@ -59,7 +40,7 @@ def _loop(call, times: int) -> None:
 @pytest.mark.parametrize("path", ["op", "kernel"])
 def test_attention_call(benchmark, request, path):
     profile = request.config._bench_sizes.profile
-    args = attention_arguments()
+    args = decode_step(1, CONTEXT, "auto")  # bf16 KV, bench-small's attention shape
     op_out = torch.ops.compiled_engine.paged_attention_cpu(*args)
     if path == "op":
 
