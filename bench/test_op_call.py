@@ -1,7 +1,12 @@
 """What a CPU kernel's call costs around the kernel (#19, the one-request step): each custom op of
-the one-token decode step called as the compiled graphs call it (`torch.ops.compiled_engine.*`:
-the dispatcher, the op's Python implementation, its checks, the output's allocation, ctypes)
-against the same kernel called through ctypes alone, with its arguments built once.
+the one-token decode step called three ways, all doing the same work:
+
+- `op`: as the compiled graphs call it, `torch.ops.compiled_engine.*`: the dispatcher and the
+  op's C++ implementation (kernels/cpu_ops.cpp: checks, the output's allocation, the kernel), or
+  its Python one where the C++ library did not build (`extra_info["implementation"]` says which);
+- `python`: the op's Python implementation called directly (checks, allocation, ctypes; no
+  dispatcher): what every call cost before the C++ implementations;
+- `kernel`: the kernel alone through ctypes, its arguments built once.
 
     python -m pytest bench/test_op_call.py -q -p no:cacheprovider \
         --benchmark-columns=median,min,rounds --benchmark-json=OUT.json
@@ -9,8 +14,8 @@ against the same kernel called through ctypes alone, with its arguments built on
 At bench-small's shapes (bench/models.py), one decode row, bf16: `paged_attention_cpu` over a
 128-token context (8 query heads, 4 KV heads of 64, blocks of 16), and `cpu_gemv` of a 512 x 512
 weight (the attention output projection). A bench-small step calls the attention op 6 times and
-the GEMV 25 times; the difference between the two rows of an op, times its calls, is what that op's
-Python side adds to every one-request step. Each timed call runs `CALLS` times in a loop.
+the GEMV 25 times; the difference between an op's rows, times its calls, is what that way of
+calling adds to every one-request step. Each timed call runs `CALLS` times in a loop.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 import compiled_engine.kernels  # noqa: F401  (registers the ops)
 from bench.test_kv_cache_attention import QUERY_DTYPE as DTYPE
 from bench.test_kv_cache_attention import decode_step
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops
 from compiled_engine.kernels.cpu_attention_build import compiler
 
 HIDDEN = 512
@@ -37,9 +42,14 @@ def _loop(call, times: int) -> None:
         call()
 
 
-@pytest.mark.parametrize("path", ["op", "kernel"])
+def _implementation() -> str:
+    return "python" if cpu_ops.use_native_ops() else "c++"
+
+
+@pytest.mark.parametrize("path", ["op", "python", "kernel"])
 def test_attention_call(benchmark, request, path):
     profile = request.config._bench_sizes.profile
+    implementation = _implementation()
     args = decode_step(1, CONTEXT, "auto")  # bf16 KV, bench-small's attention shape
     op_out = torch.ops.compiled_engine.paged_attention_cpu(*args)
     if path == "op":
@@ -47,6 +57,12 @@ def test_attention_call(benchmark, request, path):
         def call():
             torch.ops.compiled_engine.paged_attention_cpu(*args)
 
+    elif path == "python":
+
+        def call():
+            cpu_attention.paged_attention_cpu(*args)
+
+        torch.testing.assert_close(cpu_attention.paged_attention_cpu(*args), op_out)
     else:
         prepared = cpu_attention.kernel_arguments(*args[:8])
         kernel = cpu_attention_build.load().ce_cpu_paged_attention
@@ -58,13 +74,14 @@ def test_attention_call(benchmark, request, path):
         call()
         torch.testing.assert_close(prepared.out, op_out)  # the same work, not a cheaper one
     benchmark.group = "op call: paged_attention_cpu, 1 row, 128 tokens of context"
-    benchmark.extra_info.update(path=path, calls_per_round=CALLS[profile])
+    benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
     benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
 
 
-@pytest.mark.parametrize("path", ["op", "kernel"])
+@pytest.mark.parametrize("path", ["op", "python", "kernel"])
 def test_gemv_call(benchmark, request, path):
     profile = request.config._bench_sizes.profile
+    implementation = _implementation()
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
     x = torch.randn(1, HIDDEN, generator=gen).to(DTYPE)
@@ -74,6 +91,12 @@ def test_gemv_call(benchmark, request, path):
         def call():
             torch.ops.compiled_engine.cpu_gemv(x, weight, None)
 
+    elif path == "python":
+
+        def call():
+            cpu_gemv._cpu_gemv(x, weight, None)
+
+        torch.testing.assert_close(cpu_gemv._cpu_gemv(x, weight, None), op_out)
     else:
         entry = cpu_gemv.PACKED_GEMV_WEIGHTS.get(weight)
         kernel = cpu_gemv.load().ce_cpu_gemv
@@ -87,5 +110,5 @@ def test_gemv_call(benchmark, request, path):
         call()
         torch.testing.assert_close(out, op_out)
     benchmark.group = f"op call: cpu_gemv, 1 row, {HIDDEN} x {HIDDEN}"
-    benchmark.extra_info.update(path=path, calls_per_round=CALLS[profile])
+    benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
     benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)

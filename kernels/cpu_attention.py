@@ -37,6 +37,7 @@ CPU_ATTENTION_VERSION = files_version(
     module_file(cpu_attention_build.__name__),
     module_file(kv_quant.__name__),
     cpu_attention_build.SOURCE,
+    cpu_attention_build.SOURCE.with_name("cpu_ops.cpp"),
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -56,6 +57,9 @@ def cpu_attention_problem(device: torch.device | str) -> str | None:
         cpu_attention_build.load()
     except CpuKernelBuildError as exc:
         return f'attention_backend="cpu" needs its kernel built: {exc}'
+    from compiled_engine.kernels.cpu_ops import use_native_ops  # it imports this module
+
+    use_native_ops()  # the op's C++ implementation where it builds (kernels/cpu_ops.py)
     return None
 
 
@@ -177,12 +181,14 @@ def _fake(
 
 # The low-level API, not custom_op: the call runs once per layer per step, and custom_op's Python
 # wrapper around a mutating op costs measurable time next to a kernel this short (as for
-# kv_cache_write). `(a!)` declares the in-place write for functionalisation and Inductor.
+# kv_cache_write). `(a!)` declares the in-place write for functionalisation and Inductor. The
+# Python implementation is CompositeExplicitAutograd: kernels/cpu_ops.cpp's CPU kernel, once
+# loaded (kernels/cpu_ops.py), takes precedence over it.
 _LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
 _LIBRARY.define(
     "paged_attention_cpu(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
     "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=-1, "
     "float softcap=0.0) -> Tensor"
 )
-_LIBRARY.impl("paged_attention_cpu", paged_attention_cpu, "CPU")
+_LIBRARY.impl("paged_attention_cpu", paged_attention_cpu, "CompositeExplicitAutograd")
 torch.library.register_fake("compiled_engine::paged_attention_cpu", _fake, lib=_LIBRARY)

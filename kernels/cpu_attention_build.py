@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -60,9 +60,10 @@ def _cpu_identity() -> str:
     return "\n".join(wanted) or platform.machine()
 
 
-def library_key(source: bytes, compiler_path: str) -> str:
+def library_key(source: bytes, compiler_path: str, extra_flags: Sequence[str] = ()) -> str:
     digest = hashlib.sha256()
-    for part in (source, _compiler_identity(compiler_path).encode(), " ".join(FLAGS).encode()):
+    flags = " ".join((*FLAGS, *extra_flags))
+    for part in (source, _compiler_identity(compiler_path).encode(), flags.encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(_cpu_identity().encode())
@@ -80,9 +81,12 @@ def default_build_dir() -> Path:
     return Path(cache_dir()) / "compiled_engine_cpu_kernels"
 
 
-def build(directory: Path | None = None, source_file: Path = SOURCE) -> Path:
+def build(directory: Path | None = None, source_file: Path = SOURCE, extra_flags: Sequence[str] = ()) -> Path:
     """The shared library for `source_file` (the attention kernel unless another of kernels/'s C++
-    sources, e.g. kernels/cpu_gemv.cpp), this compiler and CPU: built into `directory` if missing."""
+    sources, e.g. kernels/cpu_gemv.cpp), this compiler and CPU: built into `directory` if missing.
+
+    `extra_flags` go after the source on the command line and into the name's key (include and
+    link flags: kernels/cpu_ops.py links other libraries of this folder)."""
     cxx = compiler()
     if cxx is None:
         raise CpuKernelBuildError(
@@ -90,7 +94,7 @@ def build(directory: Path | None = None, source_file: Path = SOURCE) -> Path:
         )
     source = source_file.read_bytes()
     directory = directory or default_build_dir()
-    target = directory / f"{source_file.stem}-{library_key(source, cxx)}.so"
+    target = directory / f"{source_file.stem}-{library_key(source, cxx, extra_flags)}.so"
     if target.exists():
         return target
     try:
@@ -101,7 +105,7 @@ def build(directory: Path | None = None, source_file: Path = SOURCE) -> Path:
         raise CpuKernelBuildError(f"cannot write the kernel library into {directory}: {exc}") from exc
     try:
         result = subprocess.run(
-            [cxx, *FLAGS, str(source_file), "-o", tmp],
+            [cxx, *FLAGS, str(source_file), *extra_flags, "-o", tmp],
             capture_output=True,
             text=True,
             timeout=300,

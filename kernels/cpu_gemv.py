@@ -35,7 +35,9 @@ from compiled_engine.kernels.source_version import files_version, module_file
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 # Goes into compile-cache keys and the GEMV policy's version: the op's Python side, its build
 # and the C++ source.
-CPU_GEMV_VERSION = files_version(module_file(__name__), module_file(cpu_attention_build.__name__), SOURCE)
+CPU_GEMV_VERSION = files_version(
+    module_file(__name__), module_file(cpu_attention_build.__name__), SOURCE, SOURCE.with_name("cpu_ops.cpp")
+)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Output features per packed block (kBlock in the .cpp).
@@ -109,8 +111,14 @@ def kernel_available(
 
 
 def cpu_gemv_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether the kernel can run a `dtype` linear on `device` here (building it if needed)."""
-    return kernel_available(load, _DTYPE_CODES, dtype, device)
+    """Whether the kernel can run a `dtype` linear on `device` here (building it if needed, and
+    the op's C++ implementation with it where that builds: kernels/cpu_ops.py)."""
+    if not kernel_available(load, _DTYPE_CODES, dtype, device):
+        return False
+    from compiled_engine.kernels.cpu_ops import use_native_ops  # it imports this module
+
+    use_native_ops()
+    return True
 
 
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -250,10 +258,12 @@ def _cpu_gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 # The low-level torch.library API, not custom_op, for the same reason as onednn_linear: ~25 calls
-# per step, and custom_op's Python wrapper costs several times this dispatch per call.
+# per step, and custom_op's Python wrapper costs several times this dispatch per call. The Python
+# implementation is CompositeExplicitAutograd: kernels/cpu_ops.cpp's CPU kernel, once loaded
+# (kernels/cpu_ops.py), takes precedence over it.
 _LIBRARY = torch.library.Library("compiled_engine", "FRAGMENT")
 _LIBRARY.define("cpu_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIBRARY.impl("cpu_gemv", _cpu_gemv, "CPU")
+_LIBRARY.impl("cpu_gemv", _cpu_gemv, "CompositeExplicitAutograd")
 torch.library.register_fake("compiled_engine::cpu_gemv", _cpu_gemv_fake, lib=_LIBRARY)
 
 # `F.linear(x, weight, bias)` through kernels/cpu_gemv.cpp over `weight`'s packed copy.

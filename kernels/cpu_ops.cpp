@@ -1,0 +1,264 @@
+// The CPU kernels' ops, registered with torch's dispatcher in C++: `compiled_engine::cpu_gemv`
+// (kernels/cpu_gemv.cpp) and `compiled_engine::paged_attention_cpu` (kernels/cpu_attention.cpp).
+//
+// Why: the Python implementations of these ops (kernels/cpu_gemv.py, kernels/cpu_attention.py)
+// cost 7-21 us a call around kernels of ~8 us (bench/test_op_call.py), and a one-request decode
+// step makes ~30 such calls. Here a call is the dispatcher's plus a few checks. The ops' schemas
+// and fake (meta) implementations stay in Python; this file only adds CPU kernels for them.
+//
+// Built at first use by kernels/cpu_ops_build.py, together with the two kernel sources (one
+// shared library, linked against the running torch) and loaded with torch.ops.load_library, which
+// runs the TORCH_LIBRARY_IMPL block below. The checks and messages mirror the Python ones, which
+// stay as the fallback where this library cannot be built.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+extern "C" int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packed, const void* bias,
+                           void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
+                           int num_threads);
+extern "C" int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap);
+
+namespace {
+
+// The GEMV's instruction-set path (kernels/cpu_gemv.py's best_isa), set once after loading.
+std::atomic<int> g_isa{0};
+
+int dtype_code(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: return -1;
+  }
+}
+
+// ---- cpu_gemv ---------------------------------------------------------------------------------
+
+constexpr int64_t kBlock = 64;  // output features per packed block (kBlock in cpu_gemv.cpp)
+
+// The layout kernels/cpu_gemv.py's pack_gemv_weight documents: features padded to blocks of 64,
+// k padded to even; float32/float16 [blocks, K, 64], bfloat16 [blocks, K / 2, 64, 2].
+at::Tensor pack(const at::Tensor& weight) {
+  c10::NoGradGuard no_grad;
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock, k_padded = in_features + (in_features & 1);
+  at::Tensor padded = at::zeros({blocks * kBlock, k_padded}, weight.options());
+  padded.narrow(0, 0, out_features).narrow(1, 0, in_features).copy_(weight);
+  if (weight.scalar_type() == at::kBFloat16) {
+    return padded.view({blocks, kBlock, k_padded / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  return padded.view({blocks, kBlock, k_padded}).permute({0, 2, 1}).contiguous();
+}
+
+// Packed copies by weight, as kernels/cpu_gemv.py's PackedGemvWeights: the weight held weakly,
+// the copy remade when the weight's version counter moved (an in-place change).
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+struct PackedCopy {
+  WeakImpl weight;
+  int64_t version;  // -1: an inference tensor, which has no counter and cannot change in place
+  at::Tensor packed;
+};
+std::mutex g_packed_mutex;
+std::unordered_map<const c10::TensorImpl*, PackedCopy> g_packed;
+
+int64_t version_of(const at::Tensor& weight) {
+  return weight.is_inference() ? -1 : static_cast<int64_t>(weight._version());
+}
+
+at::Tensor packed_weight(const at::Tensor& weight) {
+  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
+  const int64_t version = version_of(weight);
+  std::lock_guard<std::mutex> lock(g_packed_mutex);
+  auto found = g_packed.find(key);
+  // A live weak reference means `key` is still this weight, not a new one at a reused address.
+  if (found != g_packed.end() && !found->second.weight.expired() && found->second.version == version) {
+    return found->second.packed;
+  }
+  for (auto it = g_packed.begin(); it != g_packed.end();) {  // drop the copies of dead weights
+    it = it->second.weight.expired() ? g_packed.erase(it) : std::next(it);
+  }
+  at::Tensor packed = pack(weight);
+  g_packed.insert_or_assign(key, PackedCopy{WeakImpl(weight.getIntrusivePtr()), version, packed});
+  return packed;
+}
+
+at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "a linear weight is 2-D, got shape ", weight.sizes());
+  const int code = dtype_code(weight.scalar_type());
+  TORCH_CHECK_VALUE(code >= 0, "cpu_gemv packs float32, bfloat16 or float16 CPU weights, got ",
+                    weight.scalar_type());
+  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type() &&
+                        (!bias.has_value() || bias->scalar_type() == weight.scalar_type()),
+                    "cpu_gemv needs x, weight and bias of one dtype, got ", x.scalar_type(), ", ",
+                    weight.scalar_type(), ", ", bias.has_value() ? c10::toString(bias->scalar_type()) : "None");
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == in_features, "cpu_gemv: x has ", x.dim() ? x.size(-1) : 0,
+                    " features, the weight takes ", in_features);
+  std::optional<at::Tensor> bias_rows;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->numel() == out_features, "cpu_gemv: bias has ", bias->numel(),
+                      " values, the weight has ", out_features, " outputs");
+    bias_rows = bias->contiguous();
+  }
+  at::Tensor rows = x.reshape({-1, in_features});
+  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < in_features)) rows = rows.contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  at::Tensor out = at::empty(sizes, x.options());
+  const at::Tensor packed = packed_weight(weight);
+  const int rc = ce_cpu_gemv(rows.data_ptr(), rows.stride(0), rows.size(0), packed.data_ptr(),
+                             bias_rows.has_value() ? bias_rows->data_ptr() : nullptr, out.data_ptr(), in_features,
+                             out_features, code, g_isa.load(std::memory_order_relaxed), at::get_num_threads());
+  TORCH_CHECK(rc == 0, "cpu_gemv: the kernel rejected its arguments (code ", rc, ")");
+  return out;
+}
+
+// ---- paged_attention_cpu ----------------------------------------------------------------------
+
+constexpr int64_t kScaleBytes = 4;  // a quantized row's float32 scale (kernels/kv_quant.py)
+
+int kv_kind(at::ScalarType type) {  // the cache's kind as the kernel takes it
+  if (type == at::kChar) return 1;
+  if (type == at::kFloat8_e4m3fn) return 2;
+  return 0;
+}
+
+int64_t scale_offset(int64_t head_dim) { return (head_dim + kScaleBytes - 1) / kScaleBytes * kScaleBytes; }
+
+bool is_integer(at::ScalarType type) { return at::isIntegralType(type, /*includeBool=*/false); }
+
+// kernels/reference.py's _check_inputs: shapes and index dtypes only (no values read).
+void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const at::Tensor& query_start_loc) {
+  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [T, Hq, D], got shape ", query.sizes());
+  TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+                    "kv_cache must be [2, num_blocks, block_size, Hkv, D], got shape ", kv_cache.sizes());
+  const int64_t num_tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const std::array<int64_t, 3> kv_shape{num_tokens, num_kv_heads, head_dim};
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"key", key}, {"value", value}}) {
+    TORCH_CHECK_VALUE(t.sizes() == c10::IntArrayRef(kv_shape), name, " must be [T, Hkv, D] = ",
+                      c10::IntArrayRef(kv_shape), " to match query and kv_cache, got ", t.sizes());
+  }
+  const bool quantized = kv_kind(kv_cache.scalar_type()) != 0;
+  const int64_t width = quantized ? scale_offset(head_dim) + kScaleBytes : head_dim;
+  if (quantized) {
+    TORCH_CHECK_VALUE(kv_cache.size(4) == width, "a ", kv_cache.scalar_type(), " kv_cache holds packed rows of ",
+                      width, " bytes for head dim ", head_dim,
+                      " (codes, padding, float32 scale: kernels/kv_quant.py), got ", kv_cache.size(4));
+  } else {
+    TORCH_CHECK_VALUE(kv_cache.size(4) == width, "kv_cache head dim ", kv_cache.size(4), " != query head dim ",
+                      head_dim);
+  }
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "query heads (", num_q_heads,
+                    ") must be a multiple of kv heads (", num_kv_heads, ")");
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, "slot_mapping must be [T] = [",
+                    num_tokens, "], got ", slot_mapping.sizes());
+  TORCH_CHECK_VALUE(block_tables.dim() == 2, "block_tables must be [S, max_blocks], got shape ",
+                    block_tables.sizes());
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, "seq_lens must be [S] = [", num_seqs,
+                    "], got ", seq_lens.sizes());
+  TORCH_CHECK_VALUE(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
+                    "query_start_loc must be [S+1] = [", num_seqs + 1, "], got ", query_start_loc.sizes());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"slot_mapping", slot_mapping},
+                                {"block_tables", block_tables},
+                                {"seq_lens", seq_lens},
+                                {"query_start_loc", query_start_loc}}) {
+    TORCH_CHECK_VALUE(is_integer(t.scalar_type()), name, " must be an integer tensor, got ", t.scalar_type());
+  }
+}
+
+at::Tensor as_index(const at::Tensor& t) {  // int32 or int64 with a unit last stride
+  const bool wide_enough = t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
+  at::Tensor index = wide_enough ? t : t.to(at::kInt);
+  return index.stride(-1) == 1 ? index : index.contiguous();
+}
+
+at::Tensor as_rows(const at::Tensor& t, at::ScalarType dtype) {  // [T, H, D], unit stride on D
+  at::Tensor rows = t.scalar_type() == dtype ? t : t.to(dtype);
+  return rows.stride(-1) == 1 ? rows : rows.contiguous();
+}
+
+int64_t address(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())); }
+
+at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                               at::Tensor& kv_cache, const at::Tensor& slot_mapping_in,
+                               const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                               const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
+                               double softcap) {
+  check_inputs(query_in, key_in, value_in, kv_cache, slot_mapping_in, block_tables_in, seq_lens_in,
+               query_start_loc_in);
+  const at::ScalarType dtype = query_in.scalar_type();
+  const int kind = kv_kind(kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(dtype_code(dtype) >= 0 && (kind != 0 || kv_cache.scalar_type() == dtype),
+                    "paged_attention_cpu needs query and kv_cache of one dtype out of float32, bfloat16 and "
+                    "float16 (or a quantized int8 / float8_e4m3fn cache), got ",
+                    dtype, " and ", kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(block_tables_in.size(0) > 0,
+                    "paged_attention_cpu needs at least one sequence (block_tables is [0, W])");
+  TORCH_CHECK_VALUE(kv_cache.stride(-1) == 1, "paged_attention_cpu needs kv_cache's last dimension contiguous");
+  const at::Tensor query = as_rows(query_in, dtype), key = as_rows(key_in, dtype), value = as_rows(value_in, dtype);
+  const at::Tensor slot_mapping = as_index(slot_mapping_in), block_tables = as_index(block_tables_in);
+  const at::Tensor seq_lens = as_index(seq_lens_in), query_start_loc = as_index(query_start_loc_in);
+  const int64_t num_tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  at::Tensor out = at::empty({num_tokens, num_q_heads, head_dim}, query.options());
+  const int64_t cache = address(kv_cache);
+  // The order kernels/cpu_attention.cpp's ce_cpu_paged_attention documents.
+  const std::array<int64_t, 37> ints{
+      address(query), query.stride(0), query.stride(1),
+      address(key), key.stride(0), key.stride(1),
+      address(value), value.stride(0), value.stride(1),
+      cache, cache + kv_cache.stride(0) * static_cast<int64_t>(kv_cache.element_size()),
+      kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+      address(slot_mapping), slot_mapping.scalar_type() == at::kLong,
+      address(block_tables), block_tables.stride(0), block_tables.scalar_type() == at::kLong,
+      address(seq_lens), seq_lens.scalar_type() == at::kLong,
+      address(query_start_loc), query_start_loc.scalar_type() == at::kLong,
+      address(out),
+      num_tokens, block_tables.size(0), block_tables.size(1), num_blocks,
+      block_size, num_q_heads, num_kv_heads, head_dim,
+      sliding_window, dtype_code(dtype), at::get_num_threads(),
+      kind, scale_offset(head_dim)};  // clang-format: keep the rows as the .cpp lists them
+  const int rc = ce_cpu_paged_attention(ints.data(), static_cast<float>(scale), static_cast<float>(softcap));
+  TORCH_CHECK_INDEX(rc != 3, "slot_mapping holds a slot past the cache's ", num_blocks * block_size, " slots");
+  TORCH_CHECK(rc == 0, "paged_attention_cpu: the kernel rejected its arguments (code ", rc, ")");
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Called once after loading (kernels/cpu_ops_build.py): the GEMV path this CPU runs.
+void ce_cpu_ops_configure(int gemv_isa) { g_isa.store(gemv_isa, std::memory_order_relaxed); }
+
+// How many packed GEMV copies are held (tests: a dead weight's copy goes).
+int64_t ce_cpu_ops_packed_copies() {
+  std::lock_guard<std::mutex> lock(g_packed_mutex);
+  int64_t live = 0;
+  for (const auto& entry : g_packed) live += entry.second.weight.expired() ? 0 : 1;
+  return live;
+}
+
+}  // extern "C"
+
+TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) {
+  m.impl("cpu_gemv", &cpu_gemv);
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+}

@@ -1,0 +1,95 @@
+"""C++ CPU kernels for the ops `cpu_gemv` and `paged_attention_cpu`, registered with the dispatcher.
+
+Why: a call of either op through its Python implementation costs 7-21 us around a kernel of
+~8 us (bench/test_op_call.py), ~30 calls in every one-request decode step. kernels/cpu_ops.cpp
+implements both ops in C++ (checks, conversions, output, the kernel call) and registers them for
+the CPU dispatch key, so a compiled graph's call runs no Python.
+
+How: the ops' schemas, fake implementations and Python implementations stay in kernels/cpu_gemv.py
+and kernels/cpu_attention.py. The Python ones are registered as CompositeExplicitAutograd, which
+a CPU kernel takes precedence over, so loading this library switches every later call to C++ and
+not loading it (no compiler, no torch headers, a failed build) leaves the Python ones serving.
+The library is built at first use into the same folder as the kernels' own libraries
+(kernels/cpu_attention_build.py), compiled against the running torch's headers and linked to
+those two libraries (found next to it, whatever the folder's path), so the kernels' code is
+loaded once, shared with their ctypes callers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+# cpu_attention and cpu_gemv define the ops' schemas, which the library's kernels are registered for.
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv  # noqa: F401
+from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# Extra flags on top of cpu_attention_build.FLAGS: torch's headers want C++20.
+_STANDARD = "-std=c++20"
+
+logger = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_UNTRIED = object()
+_result: object = _UNTRIED  # None once registered, else why not (str)
+_library: ctypes.CDLL | None = None
+
+
+def _flags(kernel_libraries: list[Path]) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    include, lib = torch_dir / "include", torch_dir / "lib"
+    return [
+        _STANDARD,
+        f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DCE_TORCH_VERSION={torch.__version__}",  # in the flags, so in the library's key
+        f"-L{kernel_libraries[0].parent}",
+        *(f"-l:{path.name}" for path in kernel_libraries),
+        "-Wl,-rpath,$ORIGIN",
+        f"-L{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{lib}",
+    ]
+
+
+def build(directory: Path | None = None) -> Path:
+    """The library for this torch, compiler and CPU (built with the two kernels' if missing)."""
+    kernels = [cpu_attention_build.build(directory), cpu_attention_build.build(directory, cpu_gemv.SOURCE)]
+    return cpu_attention_build.build(directory, SOURCE, _flags(kernels))
+
+
+def use_native_ops(directory: Path | None = None) -> str | None:
+    """Registers the C++ kernels (building them first if needed), once per process.
+
+    Returns None when they serve the ops, else why not: the ops then keep their Python
+    implementations, which give the same results at a higher cost per call (logged once).
+    """
+    global _result, _library
+    with _LOCK:
+        if _result is _UNTRIED:
+            try:
+                path = build(directory)
+                torch.ops.load_library(str(path))
+                library = ctypes.CDLL(str(path))
+                library.ce_cpu_ops_configure(ctypes.c_int(cpu_gemv.best_isa()))
+                library.ce_cpu_ops_packed_copies.restype = ctypes.c_int64
+                _library, _result = library, None
+            except (CpuKernelBuildError, OSError, RuntimeError) as exc:
+                _result = f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "the C++ CPU ops (kernels/cpu_ops.cpp) are not available, cpu_gemv and "
+                    "paged_attention_cpu run their Python implementations (slower per call): %s",
+                    _result,
+                )
+        return _result if isinstance(_result, str) else None
+
+
+def packed_copies() -> int:
+    """How many packed GEMV weights the C++ `cpu_gemv` holds for live weights (0 if not loaded)."""
+    return 0 if _library is None else int(_library.ce_cpu_ops_packed_copies())

@@ -1,0 +1,167 @@
+"""The ops' C++ implementations (kernels/cpu_ops.cpp) against their Python ones, bit for bit.
+
+Both call the same kernels, so every result must be equal, not close: what differs is only who
+checks, converts and allocates. The kernels themselves are tested against references in
+tests/test_cpu_gemv.py and tests/test_cpu_attention*.py (through the dispatcher, so on whichever
+implementation is registered: the C++ one wherever it builds).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops
+from tests.attention_batches import make_attention_batch, quantized_cache
+from tests.test_cpu_attention_kv_quant import CASES
+
+if cpu_attention_build.compiler() is None:
+    pytest.skip("no C++ compiler on this machine: nothing to build", allow_module_level=True)
+
+gemv_op = torch.ops.compiled_engine.cpu_gemv.default
+attention_op = torch.ops.compiled_engine.paged_attention_cpu.default
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops():
+    problem = cpu_ops.use_native_ops()
+    assert problem is None, problem
+
+
+def test_the_cpu_dispatch_key_has_the_cpp_kernels():
+    # The Python implementations are CompositeExplicitAutograd; only the library adds CPU kernels.
+    for name in ("compiled_engine::cpu_gemv", "compiled_engine::paged_attention_cpu"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_equals_the_python_implementation(dtype, with_bias):
+    generator = torch.Generator().manual_seed(7)
+    for rows, in_features, out_features in [(1, 33, 70), (3, 129, 200), (6, 515, 131)]:
+        w = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        b = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+        wide = torch.randn(rows, in_features + 9, generator=generator).to(dtype)
+        inputs = (
+            wide[:, :in_features].contiguous(),
+            wide[:, 4 : 4 + in_features],
+            wide[:, :in_features][None],
+        )
+        for x in inputs:  # contiguous, a row stride past the features, a batch dimension
+            assert torch.equal(gemv_op(x, w, b), cpu_gemv.cpu_gemv_linear(x, w, b)), (x.shape, x.stride())
+    assert gemv_op(torch.randn(1, 0, 8).to(dtype), torch.randn(4, 8).to(dtype), None).shape == (1, 0, 4)
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "b", "error", "message"),
+    [
+        (torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16), None, ValueError, "one dtype"),
+        (torch.randn(1, 8), torch.randn(4, 8), torch.randn(4).half(), ValueError, "one dtype"),
+        (torch.randn(1, 9), torch.randn(4, 8), None, ValueError, "9 features"),
+        (torch.randn(1, 8), torch.randn(2, 4, 8), None, ValueError, "2-D"),
+        (torch.randn(1, 8).double(), torch.randn(4, 8).double(), None, ValueError, "float32, bfloat16"),
+        (torch.randn(1, 8), torch.randn(4, 8), torch.randn(5), ValueError, "bias has 5 values"),
+    ],
+)
+def test_gemv_refuses_bad_inputs(x, w, b, error, message):
+    with pytest.raises(error, match=message):
+        gemv_op(x, w, b)
+
+
+def test_gemv_repacks_a_weight_changed_in_place_and_drops_a_dead_weights_copy():
+    w = torch.randn(40, 24)
+    x = torch.randn(1, 24)
+    before = cpu_ops.packed_copies()
+    first = gemv_op(x, w, None)
+    assert cpu_ops.packed_copies() == before + 1
+    with torch.no_grad():
+        w.mul_(-2.0)
+    assert torch.equal(gemv_op(x, w, None), -2.0 * first)
+    with torch.inference_mode():
+        frozen = torch.randn(40, 24)  # an inference tensor: no version counter
+        assert torch.equal(gemv_op(x, frozen, None), cpu_gemv.cpu_gemv_linear(x, frozen, None))
+    del w, frozen
+    gc.collect()
+    assert cpu_ops.packed_copies() == before
+
+
+def _attention_pair(batch, cache, scale, **options):
+    native_cache, python_cache = cache.clone(), cache.clone()
+    window, softcap = options.get("sliding_window", -1), options.get("softcap", 0.0)
+    native = attention_op(*batch.args(native_cache), scale, window, softcap)
+    python = cpu_attention.paged_attention_cpu(*batch.args(python_cache), scale, window, softcap)
+    return native, python, native_cache, python_cache
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["plain", "int8", "fp8"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_equals_the_python_implementation(case, cache_dtype):
+    spans, batch_options, options = CASES[case]
+    batch = make_attention_batch(spans, dtype=torch.bfloat16, **batch_options)
+    cache = batch.kv_cache if cache_dtype is None else quantized_cache(batch.kv_cache, cache_dtype)
+    native, python, native_cache, python_cache = _attention_pair(batch, cache, 0.3, **options)
+    assert torch.equal(native, python)
+    assert torch.equal(native_cache.view(torch.uint8), python_cache.view(torch.uint8))
+
+
+def test_attention_converts_strided_and_odd_inputs_as_python_does():
+    batch = make_attention_batch([(12, 4), (3, 2)], head_dim=32, block_size=4)
+    tokens, kv_heads, head_dim = batch.key.shape
+    fused = torch.cat([batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)], dim=1)
+    q_end = batch.query.shape[1] * head_dim
+    batch.query = fused[:, :q_end].view(tokens, -1, head_dim)
+    batch.key = fused[:, q_end : q_end + kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    batch.value = fused[:, q_end + kv_heads * head_dim :].view(tokens, kv_heads, head_dim).half()  # converted
+    batch.block_tables = batch.block_tables.to(torch.int16)  # an index dtype the kernel widens
+    batch.seq_lens = batch.seq_lens.long()
+    native, python, native_cache, python_cache = _attention_pair(batch, batch.kv_cache, 0.2, sliding_window=5)
+    assert torch.equal(native, python)
+    assert torch.equal(native_cache.view(torch.uint8), python_cache.view(torch.uint8))  # NaN slots too
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (lambda b: setattr(b, "query", b.query[0]), ValueError, r"query must be \[T, Hq, D\]"),
+        (lambda b: setattr(b, "key", b.key[:, :1]), ValueError, "key must be"),
+        (lambda b: setattr(b, "seq_lens", b.seq_lens.float()), ValueError, "seq_lens must be an integer"),
+        (lambda b: setattr(b, "query_start_loc", b.query_start_loc[:-1]), ValueError, "query_start_loc must"),
+        (lambda b: setattr(b, "kv_cache", b.kv_cache.half()), ValueError, "one dtype"),
+        (lambda b: b.slot_mapping.__setitem__(0, 10_000), IndexError, "past the cache"),
+    ],
+)
+def test_attention_refuses_bad_inputs_like_python(change, error, message):
+    for op in (attention_op, cpu_attention.paged_attention_cpu):
+        batch = make_attention_batch([(5, 3)], dtype=torch.float32)
+        batch.slot_mapping = batch.slot_mapping.clone()
+        change(batch)
+        with pytest.raises(error, match=message):
+            op(*batch.args(batch.kv_cache), 0.25)
+
+
+def test_a_library_that_does_not_build_leaves_the_python_implementations_serving(tmp_path):
+    broken = tmp_path / "cpu_ops.cpp"
+    broken.write_text("this is not C++\n")
+    script = f"""
+import logging, pathlib, torch, torch.nn.functional as F
+logging.basicConfig(level=logging.WARNING)
+from compiled_engine.kernels import cpu_ops
+cpu_ops.SOURCE = pathlib.Path({str(broken)!r})
+problem = cpu_ops.use_native_ops()
+assert problem is not None and "failed on cpu_ops.cpp" in problem, problem
+assert not torch._C._dispatch_has_kernel_for_dispatch_key("compiled_engine::cpu_gemv", "CPU")
+x, w = torch.randn(2, 33), torch.randn(70, 33)
+torch.testing.assert_close(torch.ops.compiled_engine.cpu_gemv(x, w, None), F.linear(x, w))
+print("served")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "served" in result.stdout
+    assert "run their Python implementations" in result.stderr
