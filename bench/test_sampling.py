@@ -1,6 +1,9 @@
 """The sampler's draw at a serving batch: one uniform number per row through the cumulative
 distribution (ours, worker/sampler.py) vs the exponential race, argmax(probs / E) with one
 E ~ Exp(1) per vocabulary entry (vLLM's draw, and ours before), on the same probabilities.
+And the greedy pick (`test_greedy_pick`): torch's `argmax` against `max(dim=-1).indices`, what
+worker/sampler.py's `greedy_tokens_of` uses on the CPU, over bf16 logits (the graphs' output
+dtype in a bf16 model) at bench-small's 64 rows x 4,000 and one Qwen2.5 row of 151,936.
 
     python -m pytest bench/test_sampling.py -q --benchmark-columns=median,min,rounds
 
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, target_probs
+from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, greedy_tokens_of, target_probs
 
 ROWS = {"full": 256, "quick": 256, "smoke": 4}
 VOCABS = (4096, 151_936)
@@ -45,3 +48,15 @@ def test_sampling_draw(benchmark, request, draw, vocab):
     tokens = benchmark.pedantic(lambda: fn(probs, params), rounds=rounds, iterations=1, warmup_rounds=1)
     assert tokens.shape == (rows,) and bool((probs.gather(1, tokens[:, None]) > 0).all())
     benchmark.extra_info.update(draw=draw, rows=rows, vocab=vocab, threads=torch.get_num_threads())
+
+
+@pytest.mark.parametrize("shape", [(64, 4000), (1, 151_936)], ids=["64x4000", "1x151936"])
+@pytest.mark.parametrize("pick", ["argmax", "max-indices"])
+def test_greedy_pick(benchmark, request, pick, shape):
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    fn = (lambda: logits.argmax(dim=-1)) if pick == "argmax" else (lambda: greedy_tokens_of(logits))
+    benchmark.group = f"greedy pick, bf16 {shape[0]} x {shape[1]}"
+    calls = 2 if request.config._bench_sizes.profile == "smoke" else 100
+    tokens = benchmark.pedantic(lambda: [fn() for _ in range(calls)][-1], rounds=10, warmup_rounds=1)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    benchmark.extra_info.update(pick=pick, calls_per_round=calls, threads=torch.get_num_threads())

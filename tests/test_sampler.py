@@ -35,6 +35,20 @@ def test_greedy_is_argmax_of_raw_logits():
     assert torch.equal(tokens, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 999), (2, 151_936)], ids=["rows", "wide"])
+def test_the_greedy_pick_is_argmax_on_ties_nan_and_inf(dtype, shape):
+    # greedy_tokens_of takes max's indices on the CPU; they must be argmax's, first index included.
+    generator = seeded(3)
+    for trial in range(20):
+        logits = torch.randint(-2, 3, shape, generator=generator).to(dtype)  # ties in every row
+        if trial % 3 == 0:  # NaN: argmax points at the first one
+            logits[0, shape[1] // 2] = logits[0, shape[1] // 3] = float("nan")
+        if trial % 4 == 0:
+            logits[-1] = float("-inf")  # a row of -inf: index 0
+        assert torch.equal(sampler_module.greedy_tokens_of(logits), logits.argmax(dim=-1)), trial
+
+
 def test_only_temperature_exactly_zero_is_greedy():
     # Two tied best tokens: argmax always answers 0, a real draw (however cold) splits them.
     logits = torch.tensor([4.0, 4.0, 0.0, -1.0])

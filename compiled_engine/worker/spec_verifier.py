@@ -28,7 +28,13 @@ from collections.abc import Sequence
 
 import torch
 
-from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, target_probs, uniform_noise
+from compiled_engine.worker.sampler import (
+    SamplingTensors,
+    categorical_draw,
+    greedy_tokens_of,
+    target_probs,
+    uniform_noise,
+)
 
 
 def acceptance_probability(
@@ -71,7 +77,7 @@ def verify_proposals(
     greedy. `draft_probs` [D, vocab]: the distribution q each proposal was drawn from (a draft
     model sampling its proposals; one-hot rows for deterministic ones), None when every proposal
     is a point mass."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = greedy_tokens_of(logits)
     greedy_accepted = greedy_tokens == proposed
     if params is None or params.all_greedy:
         return greedy_accepted, greedy_tokens
