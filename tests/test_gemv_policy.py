@@ -335,6 +335,25 @@ def test_prologue_inputs_are_recorded_and_computed_alike() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_a_near_tie_between_the_gemm_forms_goes_to_the_packed_one():
+    # Where both stream the weights they tie within noise, and this winner decides larger rows.
+    def timing(gemm: float, packed: float) -> RowTiming:
+        return RowTiming(
+            8,
+            gemm_ms=gemm,
+            gemv_ms=None,
+            gemm_best_ms=gemm,
+            gemv_best_ms=None,
+            packed_ms=packed,
+            packed_best_ms=packed,
+        )
+
+    assert timing(gemm=1.17, packed=1.23).packing_wins  # torch's GEMM 5% ahead: a tie
+    assert not timing(gemm=1.0, packed=1.2).packing_wins  # 20% ahead: torch's GEMM
+    assert timing(gemm=2.0, packed=1.0).packing_wins
+    assert not RowTiming(8, gemm_ms=1.0, gemv_ms=None, gemm_best_ms=1.0, gemv_best_ms=None).packing_wins
+
+
 def _scripted_forms(
     outcomes: dict[int, str], timed: list[tuple[int, bool, bool]], kernel_timed: list[int] | None = None
 ):
