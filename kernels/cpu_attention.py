@@ -88,6 +88,9 @@ def paged_attention_cpu(
     sliding_window: int = -1,
     softcap: float = 0.0,
 ) -> torch.Tensor:
+    if query.device.type != "cpu" or kv_cache.device.type != "cpu":
+        # Registered as CompositeExplicitAutograd (for every device key): the kernel reads host memory.
+        raise ValueError(f"paged_attention_cpu runs on CPU tensors, got {query.device} and {kv_cache.device}")
     call = kernel_arguments(
         query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, sliding_window
     )

@@ -234,6 +234,9 @@ def cpu_gemv_linear(
 def _cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # The graphs' case, with the checks above reduced to what it needs (this runs ~25 times a
     # step): a contiguous x of the weight's dtype and no bias. Anything else takes the checked path.
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        # Registered as CompositeExplicitAutograd (for every device key): the kernel reads host memory.
+        raise ValueError(f"cpu_gemv runs on CPU tensors, got {x.device} and {weight.device}")
     entry = PACKED_GEMV_WEIGHTS.get(weight)
     in_features = entry.in_features
     if bias is not None or x.dtype != weight.dtype or not x.is_contiguous() or x.shape[-1] != in_features:

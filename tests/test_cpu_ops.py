@@ -144,6 +144,15 @@ def test_attention_refuses_bad_inputs_like_python(change, error, message):
             op(*batch.args(batch.kv_cache), 0.25)
 
 
+def test_the_python_implementations_refuse_tensors_off_the_cpu():
+    # They are registered for every device key; a meta tensor stands in for a GPU's here.
+    with pytest.raises(ValueError, match="runs on CPU tensors"):
+        cpu_gemv._cpu_gemv(torch.empty(1, 8, device="meta"), torch.empty(4, 8, device="meta"), None)
+    batch = make_attention_batch([(5, 3)], dtype=torch.float32, device="meta")
+    with pytest.raises(ValueError, match="runs on CPU tensors"):
+        cpu_attention.paged_attention_cpu(*batch.args(batch.kv_cache), 0.25)
+
+
 def test_a_library_that_does_not_build_leaves_the_python_implementations_serving(tmp_path):
     broken = tmp_path / "cpu_ops.cpp"
     broken.write_text("this is not C++\n")
