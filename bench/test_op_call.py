@@ -13,9 +13,11 @@ the one-token decode step called three ways, all doing the same work:
 
 At bench-small's shapes (bench/models.py), one decode row, bf16: `paged_attention_cpu` over a
 128-token context (8 query heads, 4 KV heads of 64, blocks of 16), and `cpu_gemv` of a 512 x 512
-weight (the attention output projection). A bench-small step calls the attention op 6 times and
-the GEMV 25 times; the difference between an op's rows, times its calls, is what that way of
-calling adds to every one-request step. Each timed call runs `CALLS` times in a loop.
+weight (the attention output projection); and `onednn_linear`, oneDNN's packed GEMM, over the
+same weight at 64 rows (its `kernel` path: `mkldnn::_linear_pointwise` on the packed weight). A
+bench-small step calls the attention op 6 times, and the GEMV (one row) or oneDNN's linear (64
+rows) 25 times; the difference between an op's rows, times its calls, is what that way of calling
+adds to every step. Each timed call runs `CALLS` times in a loop.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import compiled_engine.kernels  # noqa: F401  (registers the ops)
 from bench.test_kv_cache_attention import QUERY_DTYPE as DTYPE
 from bench.test_kv_cache_attention import decode_step
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops, onednn_linear
 from compiled_engine.kernels.cpu_attention_build import compiler
 
 HIDDEN = 512
@@ -110,5 +112,37 @@ def test_gemv_call(benchmark, request, path):
         call()
         torch.testing.assert_close(out, op_out)
     benchmark.group = f"op call: cpu_gemv, 1 row, {HIDDEN} x {HIDDEN}"
+    benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
+    benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
+
+
+@pytest.mark.parametrize("path", ["op", "python", "kernel"])
+def test_onednn_linear_call(benchmark, request, path):
+    if not onednn_linear.onednn_linear_available(DTYPE):
+        pytest.skip(f"oneDNN cannot run {DTYPE} here")
+    profile = request.config._bench_sizes.profile
+    implementation = _implementation()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
+    x = torch.randn(64, HIDDEN, generator=gen).to(DTYPE)
+    op_out = torch.ops.compiled_engine.onednn_linear(x, weight, None)
+    if path == "op":
+
+        def call():
+            torch.ops.compiled_engine.onednn_linear(x, weight, None)
+
+    elif path == "python":
+
+        def call():
+            onednn_linear._onednn_linear(x, weight, None)
+
+    else:
+        packed = onednn_linear.pack_linear_weight(weight)
+
+        def call():
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    torch.testing.assert_close(onednn_linear._onednn_linear(x, weight, None), op_out)
+    benchmark.group = f"op call: onednn_linear, 64 rows, {HIDDEN} x {HIDDEN}"
     benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
     benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)

@@ -1,10 +1,11 @@
 // The CPU kernels' ops, registered with torch's dispatcher in C++: `compiled_engine::cpu_gemv`
-// (kernels/cpu_gemv.cpp) and `compiled_engine::paged_attention_cpu` (kernels/cpu_attention.cpp).
+// (kernels/cpu_gemv.cpp), `compiled_engine::paged_attention_cpu` (kernels/cpu_attention.cpp) and
+// `compiled_engine::onednn_linear` (oneDNN's packed linear, kernels/onednn_linear.py).
 //
-// Why: the Python implementations of these ops (kernels/cpu_gemv.py, kernels/cpu_attention.py)
-// cost 7-21 us a call around kernels of ~8 us (bench/test_op_call.py), and a one-request decode
-// step makes ~30 such calls. Here a call is the dispatcher's plus a few checks. The ops' schemas
-// and fake (meta) implementations stay in Python; this file only adds CPU kernels for them.
+// Why: the Python implementations of these ops (kernels/cpu_gemv.py, kernels/cpu_attention.py,
+// kernels/onednn_linear.py) cost 7-21 us a call around kernels of ~8 us (bench/test_op_call.py),
+// and a decode step makes ~30 such calls. Here a call is the dispatcher's plus a few checks. The
+// ops' schemas and fake (meta) implementations stay in Python; this file only adds CPU kernels.
 //
 // Built at first use by kernels/cpu_ops_build.py, together with the two kernel sources (one
 // shared library, linked against the running torch) and loaded with torch.ops.load_library, which
@@ -13,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -71,28 +73,38 @@ struct PackedCopy {
   int64_t version;  // -1: an inference tensor, which has no counter and cannot change in place
   at::Tensor packed;
 };
+using PackedCopies = std::unordered_map<const c10::TensorImpl*, PackedCopy>;
 std::mutex g_packed_mutex;
-std::unordered_map<const c10::TensorImpl*, PackedCopy> g_packed;
+PackedCopies g_packed;
 
 int64_t version_of(const at::Tensor& weight) {
   return weight.is_inference() ? -1 : static_cast<int64_t>(weight._version());
 }
 
-at::Tensor packed_weight(const at::Tensor& weight) {
+// `weight`'s copy in `copies` (made by `make` if missing or stale), under `mutex`.
+at::Tensor packed_copy(std::mutex& mutex, PackedCopies& copies, const at::Tensor& weight,
+                       at::Tensor (*make)(const at::Tensor&)) {
   const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
   const int64_t version = version_of(weight);
-  std::lock_guard<std::mutex> lock(g_packed_mutex);
-  auto found = g_packed.find(key);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = copies.find(key);
   // A live weak reference means `key` is still this weight, not a new one at a reused address.
-  if (found != g_packed.end() && !found->second.weight.expired() && found->second.version == version) {
+  if (found != copies.end() && !found->second.weight.expired() && found->second.version == version) {
     return found->second.packed;
   }
-  for (auto it = g_packed.begin(); it != g_packed.end();) {  // drop the copies of dead weights
-    it = it->second.weight.expired() ? g_packed.erase(it) : std::next(it);
+  for (auto it = copies.begin(); it != copies.end();) {  // drop the copies of dead weights
+    it = it->second.weight.expired() ? copies.erase(it) : std::next(it);
   }
-  at::Tensor packed = pack(weight);
-  g_packed.insert_or_assign(key, PackedCopy{WeakImpl(weight.getIntrusivePtr()), version, packed});
+  at::Tensor packed = make(weight);
+  copies.insert_or_assign(key, PackedCopy{WeakImpl(weight.getIntrusivePtr()), version, packed});
   return packed;
+}
+
+int64_t live_copies(std::mutex& mutex, const PackedCopies& copies) {
+  std::lock_guard<std::mutex> lock(mutex);
+  int64_t live = 0;
+  for (const auto& entry : copies) live += entry.second.weight.expired() ? 0 : 1;
+  return live;
 }
 
 at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -118,12 +130,42 @@ at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& weight, const std::op
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = out_features;
   at::Tensor out = at::empty(sizes, x.options());
-  const at::Tensor packed = packed_weight(weight);
+  const at::Tensor packed = packed_copy(g_packed_mutex, g_packed, weight, pack);
   const int rc = ce_cpu_gemv(rows.data_ptr(), rows.stride(0), rows.size(0), packed.data_ptr(),
                              bias_rows.has_value() ? bias_rows->data_ptr() : nullptr, out.data_ptr(), in_features,
                              out_features, code, g_isa.load(std::memory_order_relaxed), at::get_num_threads());
   TORCH_CHECK(rc == 0, "cpu_gemv: the kernel rejected its arguments (code ", rc, ")");
   return out;
+}
+
+// ---- onednn_linear ----------------------------------------------------------------------------
+
+// oneDNN's ops, called boxed by name: their C++ signatures are not public headers and have
+// changed across torch versions; the schemas have not.
+c10::OperatorHandle mkldnn_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor reorder_linear_weight(const at::Tensor& weight) {  // kernels/onednn_linear.py's pack_linear_weight
+  TORCH_CHECK_VALUE(weight.dim() == 2, "a linear weight is 2-D, got shape ", weight.sizes());
+  static const c10::OperatorHandle reorder = mkldnn_op("mkldnn::_reorder_linear_weight");
+  c10::NoGradGuard no_grad;
+  torch::jit::Stack stack{weight.contiguous(), c10::IValue()};
+  reorder.callBoxed(&stack);
+  return std::move(stack.back()).toTensor();
+}
+
+// Packed copies by weight, as PackedCopies above (kernels/onednn_linear.py's PackedWeights).
+std::mutex g_onednn_mutex;
+std::unordered_map<const c10::TensorImpl*, PackedCopy> g_onednn_packed;
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle linear = mkldnn_op("mkldnn::_linear_pointwise");
+  const at::Tensor packed = packed_copy(g_onednn_mutex, g_onednn_packed, weight, reorder_linear_weight);
+  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+  linear.callBoxed(&stack);
+  return std::move(stack.back()).toTensor();
 }
 
 // ---- paged_attention_cpu ----------------------------------------------------------------------
@@ -248,12 +290,10 @@ extern "C" {
 // Called once after loading (kernels/cpu_ops_build.py): the GEMV path this CPU runs.
 void ce_cpu_ops_configure(int gemv_isa) { g_isa.store(gemv_isa, std::memory_order_relaxed); }
 
-// How many packed GEMV copies are held (tests: a dead weight's copy goes).
-int64_t ce_cpu_ops_packed_copies() {
-  std::lock_guard<std::mutex> lock(g_packed_mutex);
-  int64_t live = 0;
-  for (const auto& entry : g_packed) live += entry.second.weight.expired() ? 0 : 1;
-  return live;
+// How many packed copies of live weights are held (tests: a dead weight's copy goes): the
+// GEMV's (which = 0) or oneDNN's (which = 1).
+int64_t ce_cpu_ops_packed_copies(int which) {
+  return which == 0 ? live_copies(g_packed_mutex, g_packed) : live_copies(g_onednn_mutex, g_onednn_packed);
 }
 
 }  // extern "C"
@@ -261,4 +301,5 @@ int64_t ce_cpu_ops_packed_copies() {
 TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) {
   m.impl("cpu_gemv", &cpu_gemv);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("onednn_linear", &onednn_linear);
 }

@@ -1,14 +1,17 @@
-"""C++ CPU kernels for the ops `cpu_gemv` and `paged_attention_cpu`, registered with the dispatcher.
+"""C++ CPU kernels for the ops `cpu_gemv`, `paged_attention_cpu` and `onednn_linear`, registered
+with the dispatcher.
 
-Why: a call of either op through its Python implementation costs 7-21 us around a kernel of
-~8 us (bench/test_op_call.py), ~30 calls in every one-request decode step. kernels/cpu_ops.cpp
-implements both ops in C++ (checks, conversions, output, the kernel call) and registers them for
-the CPU dispatch key, so a compiled graph's call runs no Python.
+Why: a call of one of these ops through its Python implementation costs 4-21 us around a kernel
+of ~8 us (bench/test_op_call.py), ~30 calls in every decode step. kernels/cpu_ops.cpp implements
+them in C++ (checks, conversions, packed-weight copies, output, the kernel call) and registers
+them for the CPU dispatch key, so a compiled graph's call runs no Python.
 
-How: the ops' schemas, fake implementations and Python implementations stay in kernels/cpu_gemv.py
-and kernels/cpu_attention.py. The Python ones are registered as CompositeExplicitAutograd, which
-a CPU kernel takes precedence over, so loading this library switches every later call to C++ and
-not loading it (no compiler, no torch headers, a failed build) leaves the Python ones serving.
+How: the ops' schemas, fake implementations and Python implementations stay in
+kernels/cpu_gemv.py, kernels/cpu_attention.py and kernels/onednn_linear.py. The Python ones are
+registered as CompositeExplicitAutograd, which a CPU kernel takes precedence over, so loading this
+library switches every later call to C++ and not loading it (no compiler, no torch headers, a
+failed build) leaves the Python ones serving.
+
 The library is built at first use into the same folder as the kernels' own libraries
 (kernels/cpu_attention_build.py), compiled against the running torch's headers and linked to
 those two libraries (found next to it, whatever the folder's path), so the kernels' code is
@@ -24,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-# cpu_attention and cpu_gemv define the ops' schemas, which the library's kernels are registered for.
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv  # noqa: F401
+# These define the ops' schemas, which the library's kernels are registered for.
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, onednn_linear  # noqa: F401
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -90,6 +93,8 @@ def use_native_ops(directory: Path | None = None) -> str | None:
         return _result if isinstance(_result, str) else None
 
 
-def packed_copies() -> int:
-    """How many packed GEMV weights the C++ `cpu_gemv` holds for live weights (0 if not loaded)."""
-    return 0 if _library is None else int(_library.ce_cpu_ops_packed_copies())
+def packed_copies(op: str = "cpu_gemv") -> int:
+    """How many packed copies of live weights the C++ `op` ("cpu_gemv" or "onednn_linear") holds
+    (0 if the library is not loaded)."""
+    which = {"cpu_gemv": 0, "onednn_linear": 1}[op]
+    return 0 if _library is None else int(_library.ce_cpu_ops_packed_copies(ctypes.c_int(which)))

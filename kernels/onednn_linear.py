@@ -14,17 +14,22 @@ tensor as the graph's input: it has MKLDNN layout, which Inductor's compile cach
 ("mkldnn tensors unpickleable"), so such a graph could never be saved for a warm start.
 
 A packed copy lives as long as its weight (weakly keyed), and is packed again if the weight
-changes in place (its version counter moves).
+changes in place (its version counter moves). That is this module's Python implementation; where
+kernels/cpu_ops.cpp builds, its C++ implementation serves the op, with its own copies kept the
+same way (kernels/cpu_ops.py).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from compiled_engine.kernels.source_version import source_version
+from compiled_engine.kernels.source_version import files_version, module_file
 
-ONEDNN_LINEAR_VERSION = source_version(__name__)
+# With kernels/cpu_ops.cpp, which holds the op's C++ implementation.
+ONEDNN_LINEAR_VERSION = files_version(module_file(__name__), Path(__file__).with_name("cpu_ops.cpp"))
 
 # Weight dtypes the op is offered for; bf16 only where oneDNN reports bf16 support.
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -36,7 +41,12 @@ def onednn_linear_available(dtype: torch.dtype, device: torch.device | str = "cp
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    from compiled_engine.kernels.cpu_ops import use_native_ops  # it imports this module
+
+    use_native_ops()  # the op's C++ implementation where it builds (kernels/cpu_ops.py)
+    return True
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -85,6 +95,9 @@ _LIBRARY.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        # Registered as CompositeExplicitAutograd (for every device key): oneDNN's CPU linear.
+        raise ValueError(f"onednn_linear runs on CPU tensors, got {x.device} and {weight.device}")
     return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS.get(weight), bias, "none", [], "")
 
 
@@ -92,7 +105,9 @@ def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_LIBRARY.impl("onednn_linear", _onednn_linear, "CPU")
+# CompositeExplicitAutograd: kernels/cpu_ops.cpp's CPU kernel, once loaded (kernels/cpu_ops.py),
+# takes precedence over this Python implementation (same packing, same call, no Python per call).
+_LIBRARY.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("compiled_engine::onednn_linear", _onednn_linear_fake, lib=_LIBRARY)
 
 # `F.linear(x, weight, bias)`, through oneDNN over `weight`'s packed copy.

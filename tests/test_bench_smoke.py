@@ -52,11 +52,11 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     # transformers decode; host work per step with the null model at 1, 64 and 256 running requests;
     # decode attention on bf16, int8 and fp8 KV caches, and int8 against bf16 interleaved; the
     # sampler's draw, ours and the exponential race, at two vocabulary sizes; the greedy pick, argmax
-    # and max's indices, at two shapes; one step's outputs on
-    # the engine process's pipe, old records and the wire form, at two prompt lengths; the attention
-    # and GEMV ops' calls, through the dispatcher, their Python implementations and their kernels
-    # alone; the openai client's cost per request, four prompt forms.
-    assert "37 passed" in stdout, stdout[-2000:]
+    # and max's indices, at two shapes; one step's outputs on the engine process's pipe, old records
+    # and the wire form, at two prompt lengths; the attention, GEMV and oneDNN linear ops' calls,
+    # through the dispatcher, their Python implementations and their kernels alone; the openai
+    # client's cost per request, four prompt forms.
+    assert "40 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

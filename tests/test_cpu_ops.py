@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops
+from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops, onednn_linear
 from tests.attention_batches import make_attention_batch, quantized_cache
 from tests.test_cpu_attention_kv_quant import CASES
 
@@ -25,6 +25,7 @@ if cpu_attention_build.compiler() is None:
 
 gemv_op = torch.ops.compiled_engine.cpu_gemv.default
 attention_op = torch.ops.compiled_engine.paged_attention_cpu.default
+onednn_op = torch.ops.compiled_engine.onednn_linear.default
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,8 +36,8 @@ def native_ops():
 
 def test_the_cpu_dispatch_key_has_the_cpp_kernels():
     # The Python implementations are CompositeExplicitAutograd; only the library adds CPU kernels.
-    for name in ("compiled_engine::cpu_gemv", "compiled_engine::paged_attention_cpu"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
+    for name in ("cpu_gemv", "paged_attention_cpu", "onednn_linear"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"compiled_engine::{name}", "CPU"), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -88,6 +89,31 @@ def test_gemv_repacks_a_weight_changed_in_place_and_drops_a_dead_weights_copy():
     del w, frozen
     gc.collect()
     assert cpu_ops.packed_copies() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_onednn_linear_equals_the_python_implementation(dtype):
+    if not onednn_linear.onednn_linear_available(dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} here")
+    generator = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 33, generator=generator).to(dtype)
+    b = torch.randn(70, generator=generator).to(dtype)
+    for x in (torch.randn(5, 33, generator=generator).to(dtype), torch.randn(1, 64, 33).to(dtype)):
+        for bias in (b, None):
+            assert torch.equal(onednn_op(x, w, bias), onednn_linear._onednn_linear(x, w, bias))
+    before = cpu_ops.packed_copies("onednn_linear")
+    fresh = torch.randn(40, 24).to(dtype)
+    x = torch.randn(3, 24).to(dtype)
+    first = onednn_op(x, fresh, None)
+    assert cpu_ops.packed_copies("onednn_linear") == before + 1
+    with torch.no_grad():
+        fresh.mul_(-2.0)
+    assert torch.equal(onednn_op(x, fresh, None), -2.0 * first)  # repacked after the in-place change
+    del fresh
+    gc.collect()
+    assert cpu_ops.packed_copies("onednn_linear") == before
+    with pytest.raises(ValueError, match="2-D"):
+        onednn_op(x, torch.randn(24).to(dtype), None)
 
 
 def _attention_pair(batch, cache, scale, **options):
@@ -146,8 +172,10 @@ def test_attention_refuses_bad_inputs_like_python(change, error, message):
 
 def test_the_python_implementations_refuse_tensors_off_the_cpu():
     # They are registered for every device key; a meta tensor stands in for a GPU's here.
-    with pytest.raises(ValueError, match="runs on CPU tensors"):
-        cpu_gemv._cpu_gemv(torch.empty(1, 8, device="meta"), torch.empty(4, 8, device="meta"), None)
+    meta_x, meta_w = torch.empty(1, 8, device="meta"), torch.empty(4, 8, device="meta")
+    for python_implementation in (cpu_gemv._cpu_gemv, onednn_linear._onednn_linear):
+        with pytest.raises(ValueError, match="runs on CPU tensors"):
+            python_implementation(meta_x, meta_w, None)
     batch = make_attention_batch([(5, 3)], dtype=torch.float32, device="meta")
     with pytest.raises(ValueError, match="runs on CPU tensors"):
         cpu_attention.paged_attention_cpu(*batch.args(batch.kv_cache), 0.25)
