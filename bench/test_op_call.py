@@ -50,8 +50,7 @@ def _implementation() -> str:
 
 @pytest.mark.parametrize("path", ["op", "python", "kernel"])
 def test_attention_call(benchmark, request, path):
-    profile = request.config._bench_sizes.profile
-    implementation = _implementation()
+    _implementation()  # the C++ implementation, where it builds
     args = decode_step(1, CONTEXT, "auto")  # bf16 KV, bench-small's attention shape
     op_out = torch.ops.compiled_engine.paged_attention_cpu(*args)
     if path == "op":
@@ -75,31 +74,36 @@ def test_attention_call(benchmark, request, path):
 
         call()
         torch.testing.assert_close(prepared.out, op_out)  # the same work, not a cheaper one
-    benchmark.group = "op call: paged_attention_cpu, 1 row, 128 tokens of context"
-    benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
-    benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
+    _time(benchmark, request, "op call: paged_attention_cpu, 1 row, 128 tokens of context", path, call)
+
+
+def _linear_case(op, python_implementation, rows: int):
+    """A bench-small-sized weight, an input of `rows` rows, the op's output, and the calls of the
+    op and of its Python implementation (checked to give that output), by path; the C++
+    implementation loaded first, where it builds."""
+    _implementation()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
+    x = torch.randn(rows, HIDDEN, generator=gen).to(DTYPE)
+    out = op(x, weight, None)
+    torch.testing.assert_close(python_implementation(x, weight, None), out)
+    calls = {"op": lambda: op(x, weight, None), "python": lambda: python_implementation(x, weight, None)}
+    return weight, x, out, calls
+
+
+def _time(benchmark, request, group: str, path: str, call) -> None:
+    calls = CALLS[request.config._bench_sizes.profile]
+    benchmark.group = group
+    benchmark.extra_info.update(path=path, implementation=_implementation(), calls_per_round=calls)
+    rounds = ROUNDS[request.config._bench_sizes.profile]
+    benchmark.pedantic(_loop, args=(call, calls), rounds=rounds, warmup_rounds=1)
 
 
 @pytest.mark.parametrize("path", ["op", "python", "kernel"])
 def test_gemv_call(benchmark, request, path):
-    profile = request.config._bench_sizes.profile
-    implementation = _implementation()
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
-    x = torch.randn(1, HIDDEN, generator=gen).to(DTYPE)
-    op_out = torch.ops.compiled_engine.cpu_gemv(x, weight, None)
-    if path == "op":
-
-        def call():
-            torch.ops.compiled_engine.cpu_gemv(x, weight, None)
-
-    elif path == "python":
-
-        def call():
-            cpu_gemv._cpu_gemv(x, weight, None)
-
-        torch.testing.assert_close(cpu_gemv._cpu_gemv(x, weight, None), op_out)
-    else:
+    weight, x, op_out, calls = _linear_case(torch.ops.compiled_engine.cpu_gemv.default, cpu_gemv._cpu_gemv, 1)
+    call = calls.get(path)
+    if call is None:
         entry = cpu_gemv.PACKED_GEMV_WEIGHTS.get(weight)
         kernel = cpu_gemv.load().ce_cpu_gemv
         out = torch.empty(1, HIDDEN, dtype=DTYPE)
@@ -111,38 +115,21 @@ def test_gemv_call(benchmark, request, path):
 
         call()
         torch.testing.assert_close(out, op_out)
-    benchmark.group = f"op call: cpu_gemv, 1 row, {HIDDEN} x {HIDDEN}"
-    benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
-    benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
+    _time(benchmark, request, f"op call: cpu_gemv, 1 row, {HIDDEN} x {HIDDEN}", path, call)
 
 
 @pytest.mark.parametrize("path", ["op", "python", "kernel"])
 def test_onednn_linear_call(benchmark, request, path):
     if not onednn_linear.onednn_linear_available(DTYPE):
         pytest.skip(f"oneDNN cannot run {DTYPE} here")
-    profile = request.config._bench_sizes.profile
-    implementation = _implementation()
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
-    x = torch.randn(64, HIDDEN, generator=gen).to(DTYPE)
-    op_out = torch.ops.compiled_engine.onednn_linear(x, weight, None)
-    if path == "op":
-
-        def call():
-            torch.ops.compiled_engine.onednn_linear(x, weight, None)
-
-    elif path == "python":
-
-        def call():
-            onednn_linear._onednn_linear(x, weight, None)
-
-    else:
+    op = torch.ops.compiled_engine.onednn_linear.default
+    weight, x, op_out, calls = _linear_case(op, onednn_linear._onednn_linear, 64)
+    call = calls.get(path)
+    if call is None:
         packed = onednn_linear.pack_linear_weight(weight)
 
         def call():
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-    torch.testing.assert_close(onednn_linear._onednn_linear(x, weight, None), op_out)
-    benchmark.group = f"op call: onednn_linear, 64 rows, {HIDDEN} x {HIDDEN}"
-    benchmark.extra_info.update(path=path, implementation=implementation, calls_per_round=CALLS[profile])
-    benchmark.pedantic(_loop, args=(call, CALLS[profile]), rounds=ROUNDS[profile], warmup_rounds=1)
+        torch.testing.assert_close(call(), op_out)
+    _time(benchmark, request, f"op call: onednn_linear, 64 rows, {HIDDEN} x {HIDDEN}", path, call)

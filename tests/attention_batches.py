@@ -34,6 +34,17 @@ class Batch:
         )
 
 
+def fuse_qkv(batch: Batch) -> None:
+    """Makes the batch's query, key and value strided views into one fused [T, (Hq + 2 Hkv) D]
+    tensor, as a model's fused QKV projection hands them over (same values)."""
+    tokens, kv_heads, head_dim = batch.key.shape
+    fused = torch.cat([batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)], dim=1)
+    q_end = batch.query.shape[1] * head_dim
+    batch.query = fused[:, :q_end].view(tokens, -1, head_dim)
+    batch.key = fused[:, q_end : q_end + kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    batch.value = fused[:, q_end + kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+
+
 def make_attention_batch(
     spans,
     *,

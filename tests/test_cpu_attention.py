@@ -16,7 +16,7 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.kernels import cpu_attention_build
 from compiled_engine.kernels.backends import AttentionBackendUnavailableError, resolve_attention_backend
 from compiled_engine.kernels.reference import paged_attention_reference
-from tests.attention_batches import Batch, check_op_under_torch_compile, make_attention_batch
+from tests.attention_batches import Batch, check_op_under_torch_compile, fuse_qkv, make_attention_batch
 from tests.hf_greedy import MAX_TOKENS, PROMPTS, hf_greedy_tokens
 
 if cpu_attention_build.compiler() is None:
@@ -110,12 +110,7 @@ def test_random_context_lengths_one_thread_and_many():
 def test_strided_keys_int64_tables_and_a_strided_query():
     # As the model hands them over: k and v are views into one fused projection's output.
     batch = make_attention_batch([(12, 4), (3, 2)], head_dim=32, block_size=4)
-    tokens, kv_heads, head_dim = batch.key.shape
-    fused = torch.cat([batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)], dim=1)
-    q_end = batch.query.shape[1] * head_dim
-    batch.query = fused[:, :q_end].view(tokens, -1, head_dim)
-    batch.key = fused[:, q_end : q_end + kv_heads * head_dim].view(tokens, kv_heads, head_dim)
-    batch.value = fused[:, q_end + kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    fuse_qkv(batch)
     assert not batch.key.is_contiguous()
     batch.block_tables = batch.block_tables.long()
     batch.seq_lens, batch.query_start_loc = batch.seq_lens.long(), batch.query_start_loc.long()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops, onednn_linear
-from tests.attention_batches import make_attention_batch, quantized_cache
+from tests.attention_batches import fuse_qkv, make_attention_batch, quantized_cache
 from tests.test_cpu_attention_kv_quant import CASES
 
 if cpu_attention_build.compiler() is None:
@@ -137,12 +137,8 @@ def test_attention_equals_the_python_implementation(case, cache_dtype):
 
 def test_attention_converts_strided_and_odd_inputs_as_python_does():
     batch = make_attention_batch([(12, 4), (3, 2)], head_dim=32, block_size=4)
-    tokens, kv_heads, head_dim = batch.key.shape
-    fused = torch.cat([batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)], dim=1)
-    q_end = batch.query.shape[1] * head_dim
-    batch.query = fused[:, :q_end].view(tokens, -1, head_dim)
-    batch.key = fused[:, q_end : q_end + kv_heads * head_dim].view(tokens, kv_heads, head_dim)
-    batch.value = fused[:, q_end + kv_heads * head_dim :].view(tokens, kv_heads, head_dim).half()  # converted
+    fuse_qkv(batch)  # strided q, k and v
+    batch.value = batch.value.half()  # another dtype: converted
     batch.block_tables = batch.block_tables.to(torch.int16)  # an index dtype the kernel widens
     batch.seq_lens = batch.seq_lens.long()
     native, python, native_cache, python_cache = _attention_pair(batch, batch.kv_cache, 0.2, sliding_window=5)
