@@ -83,11 +83,13 @@ def use_native_ops(directory: Path | None = None) -> str | None:
                 library.ce_cpu_ops_configure(ctypes.c_int(cpu_gemv.best_isa()))
                 library.ce_cpu_ops_packed_copies.restype = ctypes.c_int64
                 _library, _result = library, None
-            except (CpuKernelBuildError, OSError, RuntimeError) as exc:
+            except (CpuKernelBuildError, OSError, RuntimeError, AttributeError) as exc:
+                # AttributeError: a library without the expected entry points.
                 _result = f"{type(exc).__name__}: {exc}"
                 logger.warning(
-                    "the C++ CPU ops (kernels/cpu_ops.cpp) are not available, cpu_gemv and "
-                    "paged_attention_cpu run their Python implementations (slower per call): %s",
+                    "the C++ CPU ops (kernels/cpu_ops.cpp) are not available, cpu_gemv, "
+                    "paged_attention_cpu and onednn_linear run their Python implementations "
+                    "(slower per call): %s",
                     _result,
                 )
         return _result if isinstance(_result, str) else None
