@@ -113,7 +113,7 @@ _MIN_SPEEDUP = 1.1
 # stream the weights and tie within noise; the winner there decides the untimed larger row
 # counts (_GEMM_WINS_TO_STOP), where the packed form is the fast one once compute dominates
 # (a bench-small bf16 engine here recorded 1.17/1.23 ms torch/packed at 4 rows and 1.29/1.30
-# at 8, so its 64-row bucket ran torch's GEMM, which the step profile at 64 rows shows slower).
+# at 8, so its 64-row bucket ran torch's GEMM; docs/performance.md, session 14).
 _PACKED_TIE = 1.1
 # Row counts above this never time (or run) the C++ GEMV: it re-reads the weight per 4 rows,
 # and oneDNN's GEMM takes over well before.
@@ -226,7 +226,11 @@ class RowTiming:
 
     @property
     def _best_gemm_ms(self) -> float:
-        return self.packed_best_ms if self.packing_wins else self.gemm_best_ms  # type: ignore[return-value]
+        # The faster form's call, whichever the row count then runs: the lowering and the kernel
+        # must beat both GEMM forms (module docstring), not only the one a near tie picked.
+        if self.packed_best_ms is None:
+            return self.gemm_best_ms
+        return min(self.gemm_best_ms, self.packed_best_ms)
 
     @property
     def lowering_wins(self) -> bool:

@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <vector>
 
 extern "C" int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packed, const void* bias,
                            void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
@@ -157,7 +158,7 @@ at::Tensor reorder_linear_weight(const at::Tensor& weight) {  // kernels/onednn_
 
 // Packed copies by weight, as PackedCopies above (kernels/onednn_linear.py's PackedWeights).
 std::mutex g_onednn_mutex;
-std::unordered_map<const c10::TensorImpl*, PackedCopy> g_onednn_packed;
+PackedCopies g_onednn_packed;
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle linear = mkldnn_op("mkldnn::_linear_pointwise");
