@@ -1,14 +1,18 @@
 """What one draft-model proposal call costs on its own (worker/draft_decoder.py `propose`).
 
     python -m bench.draft_propose DRAFT_DIR [--k 4] [--max-len 1028] [--calls 200]
+                                            [--implementation native compiled]
 
-Loads the draft as the engine does (float32 on the CPU), compiles its proposal call, prefills a
-200-token context into one slot and times `propose` (the compiled call that feeds two tokens and
-makes k greedy proposals, plus reading the proposals back), median of `--rounds` rounds of
-`--calls` calls. `--max-len` is the slot's length: the engine's is max_model_len + k (the default
-model's max_model_len is 1024). With `--profile` it prints torch.profiler's table of the ops one
-call runs. Compare with a plain decode step of the target (bench/speculative.py's "none" column:
-1 / tokens per second) to see what k proposals cost in target steps.
+Loads the draft as the engine does for a target in `--dtype` (default bfloat16, the embedded
+model's), builds its proposal call, prefills a 200-token context into one slot and times
+`propose` (the call that feeds two tokens and makes k greedy proposals, with the proposals read
+back), median of `--rounds` rounds of `--calls` calls, for each implementation asked for:
+`native`, the C++ loop the engine uses on the CPU (kernels/cpu_draft_decoder.cpp), and
+`compiled`, the torch function under Inductor. `--max-len` is the slot's length: the engine's is
+max_model_len + k (the default model's max_model_len is 1024). With `--profile` it prints
+torch.profiler's table of the ops one call runs. Compare with a plain decode step of the target
+(bench/speculative.py's "none" column: 1 / tokens per second) to see what k proposals cost in
+target steps.
 """
 
 from __future__ import annotations
@@ -32,11 +36,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--implementation", nargs="+", choices=("native", "compiled"), default=("native", "compiled")
+    )
     args = parser.parse_args()
 
     device = torch.device("cpu")
-    loaded = load_model(args.draft, dtype="float32", device=device)
-    decoder = DraftDecoder(loaded.model, 1, args.max_len, args.k, device, compiled=True)
+    loaded = load_model(args.draft, dtype=args.dtype, device=device)
+    for implementation in args.implementation:
+        native = implementation == "native"
+        decoder = DraftDecoder(loaded.model, 1, args.max_len, args.k, device, compiled=True, native=native)
+        _time(decoder, implementation, args)
+
+
+def _time(decoder: DraftDecoder, implementation: str, args: argparse.Namespace) -> None:
     context = 200
     vocab = decoder.vocab_size
     decoder.prefill(0, torch.arange(context) % vocab, 0)
@@ -47,12 +61,12 @@ def main() -> None:
     for _ in range(args.rounds):
         started = time.perf_counter()
         for _ in range(args.calls):
-            drafts, _ = decoder.propose(0, last_two, context + 1, 0.0, None)
-            drafts.tolist()
+            decoder.propose(0, last_two, context + 1, 0.0, None)
         per_call.append((time.perf_counter() - started) / args.calls)
     median = statistics.median(per_call)
     print(
-        f"draft {args.draft}: k={args.k}, slot length {args.max_len}, {torch.get_num_threads()} threads: "
+        f"draft {args.draft}, {implementation}: k={args.k}, slot length {args.max_len}, "
+        f"{torch.get_num_threads()} threads: "
         f"propose {median * 1e3:.3f} ms per call (median of {args.rounds} x {args.calls}; "
         f"min {min(per_call) * 1e3:.3f})"
     )

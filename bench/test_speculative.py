@@ -12,27 +12,31 @@ extra_info has tokens/s and, for ngram, the acceptance rate and mean accepted le
 Targets (issue #22): ngram >= 1.5x none's tokens/s at 1 request; no slower at 64; the same for the
 draft model.
 
+The per-method tests run one after the other, so a machine whose speed drifts between them (this
+one's "none" row moved 1.3-2x between runs minutes apart) moves their ratios.
+`test_speculative_one_request_interleaved` takes the drift out: each round runs one prompt
+through every engine in turn (the order rotating), and its extra_info has each method's median
+round and its speed-up over none's, measured on the same prompts at the same moments.
+
 The draft model is the one shipped beside the embedded model (compiled_engine/default_model_draft),
 or the folder in COMPILED_ENGINE_BENCH_DRAFT (one trained with scripts/train_default_model.py's
-draft command); without either its rows are skipped.
+draft command).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
-from pathlib import Path
 
 import pytest
 
 from bench.speculative import completion_prompts
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.default_model_path import default_draft_dir
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "compiled_engine" / "default_model_draft"
-DRAFT_DIR = os.environ.get("COMPILED_ENGINE_BENCH_DRAFT") or (
-    str(SHIPPED_DRAFT) if (SHIPPED_DRAFT / "config.json").is_file() else None
-)
+DRAFT_DIR = os.environ.get("COMPILED_ENGINE_BENCH_DRAFT") or str(default_draft_dir())
 DRAFT = {"method": "draft_model", "model": DRAFT_DIR, "num_speculative_tokens": 4}
 METHODS = ["none", "ngram", "draft_model"]
 # (prompt tokens, new tokens, rounds, batch size) per size profile; smoke runs each path once, eagerly.
@@ -47,9 +51,11 @@ def engines(request):
     options = dict(
         max_num_seqs=batch, compile_policy="blocking", enforce_eager=smoke, enable_prefix_caching=False
     )
-    built = {"none": LLM(**options), "ngram": LLM(speculative_config=NGRAM, **options)}
-    if DRAFT_DIR is not None:
-        built["draft_model"] = LLM(speculative_config=DRAFT, **options)
+    built = {
+        "none": LLM(**options),
+        "ngram": LLM(speculative_config=NGRAM, **options),
+        "draft_model": LLM(speculative_config=DRAFT, **options),
+    }
     yield built
     for llm in built.values():
         llm.close()
@@ -92,16 +98,10 @@ def _run(benchmark, llm: LLM, prompts: list[list[int]], max_tokens: int, rounds:
     )
 
 
-def _engine(engines: dict[str, LLM], method: str) -> LLM:
-    if method not in engines:
-        pytest.skip("no draft model: none shipped, COMPILED_ENGINE_BENCH_DRAFT not set")
-    return engines[method]
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_speculative_one_request(benchmark, request, engines, method):
     prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
-    llm = _engine(engines, method)
+    llm = engines[method]
     prompts = completion_prompts(llm.get_tokenizer(), rounds, prompt_tokens)
     benchmark.group = f"speculative decoding, 1 request x {new_tokens} tokens"
     _run(benchmark, llm, prompts, new_tokens, rounds, 1)
@@ -110,7 +110,39 @@ def test_speculative_one_request(benchmark, request, engines, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_speculative_batch(benchmark, request, engines, method):
     prompt_tokens, new_tokens, rounds, batch = SIZES[request.config._bench_sizes.profile]
-    llm = _engine(engines, method)
+    llm = engines[method]
     prompts = completion_prompts(llm.get_tokenizer(), batch, prompt_tokens // 2)
     benchmark.group = f"speculative decoding, {batch} requests x {new_tokens} tokens"
     _run(benchmark, llm, prompts * rounds, new_tokens, rounds, batch)
+
+
+def test_speculative_one_request_interleaved(benchmark, request, engines):
+    prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
+    methods = list(engines)
+    prompts = completion_prompts(engines["none"].get_tokenizer(), rounds, prompt_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for llm in engines.values():  # warm-up: every prompt, so each bucket its steps use is compiled
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    times: dict[str, list[float]] = {method: [] for method in methods}
+    round_index = iter(range(2 * rounds))
+
+    def one_round() -> None:
+        index = next(round_index)
+        prompt = [{"prompt_token_ids": prompts[index % rounds]}]
+        shift = index % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            started = time.perf_counter()
+            outputs = engines[method].generate(prompt, params, use_tqdm=False)
+            times[method].append(time.perf_counter() - started)
+            assert len(outputs[0].outputs[0].token_ids) == new_tokens
+
+    benchmark.group = f"speculative decoding, 1 request x {new_tokens} tokens, interleaved"
+    benchmark.pedantic(one_round, rounds=2 * rounds, iterations=1, warmup_rounds=0)
+    medians = {method: statistics.median(ts) for method, ts in times.items()}
+    for method, median in medians.items():
+        benchmark.extra_info[f"{method}_median_s"] = median
+        benchmark.extra_info[f"{method}_speedup"] = medians["none"] / median
+    print(
+        "\n1 request, interleaved: "
+        + ", ".join(f"{m} {medians['none'] / t:.2f}x" for m, t in medians.items())
+    )

@@ -3,8 +3,10 @@
 Its math against transformers' own model (Llama, Qwen2's biases, Qwen3's q/k norms), eagerly:
 each proposal is transformers' greedy next token and q its softmax; a catch-up after a partial
 acceptance and a slot lost to another request give the same proposals as a fresh start; sampled
-proposals are reproducible per seed and their q reaches the verifier. The compiled call is
-the same function under Inductor (`test_the_compiled_call_proposes_what_the_eager_one_does`).
+proposals are reproducible per seed and their q reaches the verifier. Each case runs with both
+proposal calls: the C++ loop the engine uses on the CPU (kernels/cpu_draft_decoder.cpp, where
+it builds) and the torch function; the compiled call is that function under Inductor
+(`test_the_compiled_call_proposes_what_the_eager_one_does`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.kernels import cpu_draft_decoder
 from compiled_engine.records.draft_proposer import DraftSampling
 from compiled_engine.worker.draft_decoder import DraftDecoder, supports
 from compiled_engine.worker.draft_loop_proposer import DraftLoopProposer
@@ -48,13 +51,21 @@ def tiny(request, tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _proposer(model, num_slots: int = 2) -> DraftLoopProposer:
-    return DraftLoopProposer(DraftDecoder(model, num_slots, 64, K, CPU, compiled=False), num_slots, 8, seed=0)
+@pytest.fixture(params=["native", "torch"])
+def native(request) -> bool:
+    if request.param == "native" and not cpu_draft_decoder.available():
+        pytest.skip("no C++ compiler here")
+    return request.param == "native"
 
 
-def test_proposals_are_transformers_greedy_tokens_and_q_its_softmax(tiny):
+def _proposer(model, native: bool, num_slots: int = 2) -> DraftLoopProposer:
+    decoder = DraftDecoder(model, num_slots, 64, K, CPU, compiled=False, native=native)
+    return DraftLoopProposer(decoder, num_slots, 8, seed=0)
+
+
+def test_proposals_are_transformers_greedy_tokens_and_q_its_softmax(tiny, native):
     assert supports(tiny, 64)
-    proposer = _proposer(tiny)
+    proposer = _proposer(tiny, native)
     prompt = np.array([1, 17, 42, 99, 5, 61, 23, 7, 88, 14, 3], dtype=np.int64)  # > one chunk of 8
     expected, dists = _greedy_continuation(tiny, prompt.tolist(), K)
     proposal = proposer.propose("a", prompt, (), K, DraftSampling())
@@ -65,8 +76,8 @@ def test_proposals_are_transformers_greedy_tokens_and_q_its_softmax(tiny):
     assert np.allclose(sampled.probs[0], dists[0].numpy(), atol=1e-5)
 
 
-def test_catch_up_after_a_partial_acceptance_and_after_losing_the_slot(tiny):
-    proposer = _proposer(tiny, num_slots=1)
+def test_catch_up_after_a_partial_acceptance_and_after_losing_the_slot(tiny, native):
+    proposer = _proposer(tiny, native, num_slots=1)
     prompt = np.array([1, 17, 42, 99, 5], dtype=np.int64)
     first = proposer.propose("a", prompt, (), K, DraftSampling()).token_ids
     # The target kept two proposals and emitted another token than the third.
@@ -89,8 +100,8 @@ def test_catch_up_after_a_partial_acceptance_and_after_losing_the_slot(tiny):
     )
 
 
-def test_seeded_draws_repeat_and_differ_between_seeds(tiny):
-    proposer = _proposer(tiny)
+def test_seeded_draws_repeat_and_differ_between_seeds(tiny, native):
+    proposer = _proposer(tiny, native)
     prompt = np.array([1, 17, 42, 99, 5], dtype=np.int64)
     draws = [proposer.propose("a", prompt, (), K, DraftSampling(5.0, seed, 0)).token_ids for seed in range(6)]
     again = [proposer.propose("a", prompt, (), K, DraftSampling(5.0, seed, 0)).token_ids for seed in range(6)]
@@ -98,16 +109,16 @@ def test_seeded_draws_repeat_and_differ_between_seeds(tiny):
     assert len(set(draws)) > 1  # temperature 5 on a random model: the seeds draw different runs
 
 
-def test_asking_for_more_proposals_than_k_is_an_error(tiny):
+def test_asking_for_more_proposals_than_k_is_an_error(tiny, native):
     with pytest.raises(ValueError, match="asked for 5 proposals; the draft makes 1 to 4"):
-        _proposer(tiny).propose("a", np.array([1, 2], dtype=np.int64), (), 5, DraftSampling())
+        _proposer(tiny, native).propose("a", np.array([1, 2], dtype=np.int64), (), 5, DraftSampling())
 
 
 @pytest.mark.slow  # one Inductor compile (tens of seconds here)
 def test_the_compiled_call_proposes_what_the_eager_one_does(tiny):
     prompt = np.array([1, 17, 42, 99, 5, 61, 23], dtype=np.int64)
-    eager = _proposer(tiny).propose("a", prompt, (), K, DraftSampling())
-    compiled = DraftLoopProposer(DraftDecoder(tiny, 2, 64, K, CPU, compiled=True), 2, 8, seed=0)
+    eager = _proposer(tiny, native=False).propose("a", prompt, (), K, DraftSampling())
+    compiled = DraftLoopProposer(DraftDecoder(tiny, 2, 64, K, CPU, compiled=True, native=False), 2, 8, seed=0)
     assert compiled.propose("a", prompt, (), K, DraftSampling()) == eager
 
 

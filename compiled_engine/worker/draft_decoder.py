@@ -7,11 +7,14 @@ model on a CPU). So the draft runs here instead, as plain tensor math on its wei
 
 - a contiguous KV buffer of its own, one row ("slot") per request, `max_len` positions long;
 - `prefill`: an eager forward over a catch-up chunk (the prompt, the first time), writing k/v;
-- `propose`: ONE compiled call (Inductor, fixed shapes) that feeds a request's last two tokens
-  and then runs k one-token steps back to back, choosing each proposal inside the graph: the
-  argmax (greedy) or a draw from q = softmax(logits / temperature) by the exponential race
-  (argmax of q / E with E ~ Exp(1), the noise passed in), and returns every step's q too: the
-  verifier's min(1, p/q) rule needs it (worker/spec_verifier.py).
+- `propose`: ONE call that feeds a request's last two tokens and then runs k one-token steps
+  back to back, choosing each proposal inside it: the argmax (greedy) or a draw from
+  q = softmax(logits / temperature) by the exponential race (argmax of q / E with E ~ Exp(1), the
+  noise passed in), and returns the steps' q for sampled proposals: the verifier's min(1, p/q)
+  rule needs it (worker/spec_verifier.py). On the CPU that call is C++
+  (kernels/cpu_draft_decoder.cpp: plain loops over the positions written, no kernel launches)
+  wherever its library builds; elsewhere, or with `native=False`, it is the torch function
+  `_propose_eager`, compiled by Inductor (fixed shapes) unless `compiled=False`.
 
 Llama-family only (Llama, Mistral, Qwen2's q/k/v biases, Qwen3's q/k norms): `supports` says
 whether a loaded model is one; engine/draft_model.py falls back to the runner-driven proposer
@@ -25,6 +28,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from compiled_engine.kernels import cpu_draft_decoder
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -64,7 +69,10 @@ class DraftDecoder:
         num_proposals: int,
         device: torch.device,
         compiled: bool,
+        native: bool | None = None,
     ) -> None:
+        """`native`: propose with the C++ loop (True), the torch function (False), or the C++
+        loop wherever it runs (None: a CPU device and a library that builds)."""
         config = model.config
         # float32 on the CPU (this machine has no fast bfloat16 matmul, and the draft is small);
         # the model's dtype on accelerators.
@@ -111,10 +119,53 @@ class DraftDecoder:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self._greedy_noise = torch.ones(1, num_proposals, self.embed.shape[0], device=device)
+        if native is None:
+            native = device.type == "cpu" and cpu_draft_decoder.available()
+        # The C++ loop reads the matrices in bfloat16 when the model is in it: the float32 copies
+        # above hold exactly its values, in twice the bytes.
+        model_dtype = next(model.parameters()).dtype
+        self.native = (
+            self._native_model(model_dtype if model_dtype == torch.bfloat16 else torch.float32)
+            if native
+            else None
+        )
         self._propose = (
             torch.compile(self._propose_eager, fullgraph=True, dynamic=False)
-            if compiled
+            if compiled and self.native is None
             else self._propose_eager
+        )
+
+    def _native_model(self, weight_dtype: torch.dtype) -> cpu_draft_decoder.NativeDraftModel:
+        """The C++ loop's view of this decoder's weights (the matrices in `weight_dtype`) and
+        buffers (CPU only)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"the native draft decoder runs on the CPU, not {self.device}")
+
+        def matrix(t: torch.Tensor) -> torch.Tensor:
+            return t.to(weight_dtype).contiguous()
+
+        layers = [
+            {
+                **layer._asdict(),
+                "qkv": matrix(layer.qkv),
+                "o": matrix(layer.o),
+                "gate_up": matrix(layer.gate_up),
+                "down": matrix(layer.down),
+            }
+            for layer in self.layers
+        ]
+        return cpu_draft_decoder.NativeDraftModel(
+            embed=matrix(self.embed),
+            final_norm=self.norm,
+            lm_head=matrix(self.lm_head),
+            layers=layers,
+            cos=self.cos.contiguous(),
+            sin=self.sin.contiguous(),
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            num_heads=self.num_heads,
+            eps=self.eps,
+            ffn=self.layers[0].gate_up.shape[0] // 2,
         )
 
     @property
@@ -129,7 +180,8 @@ class DraftDecoder:
         tokens = token_ids.to(self.device)[None]
         positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
         slots = torch.tensor([slot], device=self.device)
-        self._forward(tokens, positions, slots, self.k_cache, self.v_cache)
+        # Eager: attend over the positions up to the chunk's last only, not the whole slot.
+        self._forward(tokens, positions, slots, self.k_cache, self.v_cache, start + len(token_ids))
 
     @torch.inference_mode()
     def propose(
@@ -139,12 +191,24 @@ class DraftDecoder:
         position: int,
         temperature: float,
         noise: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Feed `last_two` (the sequence's last two tokens; the second at `position`; twice the
         only one at position 0 for a one-token sequence), then k one-token steps. Returns the k
-        proposals [k] and the distribution each was drawn from [k, vocab] (softmax(logits / T);
-        for T = 0 the proposals are the argmax and q is softmax(logits))."""
+        proposals and, for T > 0, the distribution each was drawn from [k, vocab]
+        (softmax(logits / T)); for T = 0 the proposals are the argmaxes and no q is returned."""
         first = max(position - 1, 0)
+        if self.native is not None:
+            tokens = last_two if position > 0 else last_two[1:]
+            sampled = temperature > 0
+            return self.native.propose(
+                slot,
+                tokens,
+                first,
+                self.num_proposals,
+                temperature,
+                noise[0] if sampled and noise is not None else None,
+                want_probs=sampled,
+            )
         tokens = torch.tensor([last_two], device=self.device)
         positions = torch.tensor([[first, position]], device=self.device)
         slots = torch.tensor([slot], device=self.device)
@@ -158,7 +222,7 @@ class DraftDecoder:
             self.k_cache,
             self.v_cache,
         )
-        return drafts[0], probs[0]
+        return drafts[0].tolist(), probs[0] if temperature > 0 else None
 
     # --- the math ----------------------------------------------------------------------------------
 
@@ -193,9 +257,11 @@ class DraftDecoder:
         slots: torch.Tensor,  # [B]
         k_cache: torch.Tensor,  # [layers, slots, max_len, kv heads, head_dim]
         v_cache: torch.Tensor,
+        num_keys: int | None = None,
     ) -> torch.Tensor:
         """The draft's forward over T new tokens per row, writing their k/v; the last position's
-        logits [B, vocab]."""
+        logits [B, vocab]. Attention reads a slot's first `num_keys` positions (all of it when
+        None: the compiled call's fixed shape); none of them may be past it."""
         b, t = tokens.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         group = nh // nkv
@@ -203,7 +269,8 @@ class DraftDecoder:
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, hd]
         rows = slots[:, None].expand(b, t)
         # Key j is visible to the query at position p when j <= p (the row's own earlier tokens).
-        visible = torch.arange(self.max_len, device=tokens.device) <= positions[:, :, None]  # [B, T, M]
+        num_keys = num_keys or self.max_len
+        visible = torch.arange(num_keys, device=tokens.device) <= positions[:, :, None]  # [B, T, M]
         mask = visible[:, None, None]  # [B, 1, 1, T, M]
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
@@ -215,8 +282,8 @@ class DraftDecoder:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k_cache[index].index_put_((rows, positions), k)
             v_cache[index].index_put_((rows, positions), v)
-            keys = k_cache[index][slots].permute(0, 2, 3, 1)  # [B, nkv, hd, M]
-            values = v_cache[index][slots].transpose(1, 2)  # [B, nkv, M, hd]
+            keys = k_cache[index][slots, :num_keys].permute(0, 2, 3, 1)  # [B, nkv, hd, M]
+            values = v_cache[index][slots, :num_keys].transpose(1, 2)  # [B, nkv, M, hd]
             # GQA: query head h reads kv head h // group.
             queries = q.view(b, t, nkv, group, hd).permute(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
             scores = torch.matmul(queries, keys[:, :, None]) * hd**-0.5  # [B, nkv, g, T, M]

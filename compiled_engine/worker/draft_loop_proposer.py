@@ -66,15 +66,14 @@ class DraftLoopProposer:
         last_two = (int(token_ids[max(length - 2, 0)]), int(token_ids[length - 1]))
         sampled = sampling.temperature > 0
         noise = self._noise(sampling) if sampled else None
-        drafts, probs = self.decoder.propose(slot, last_two, length - 1, sampling.temperature, noise)
+        proposals, probs = self.decoder.propose(slot, last_two, length - 1, sampling.temperature, noise)
         self.num_steps += 1
-        proposals = drafts.tolist()
         # The call fed every proposal but the last: the slot holds their k/v too.
         self._written[request_id] = np.concatenate(
             (token_ids, np.asarray(proposals[:-1], dtype=token_ids.dtype))
         )
         chosen = tuple(proposals[:num_tokens])
-        if not sampled:
+        if probs is None:
             return DraftProposal(chosen)
         return DraftProposal(chosen, probs[:num_tokens].float().cpu().numpy())
 
