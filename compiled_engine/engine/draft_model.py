@@ -17,11 +17,13 @@ while the scheduler plans a step).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.kv_cache_sizing import KVCacheLayout
+from compiled_engine.kernels.cpu_draft_decoder import CPU_DRAFT_DECODER_VERSION
 from compiled_engine.model_loader.loader import LoadedModel, load_model
 from compiled_engine.records.draft_proposer import DraftProposer, DraftSampling
 from compiled_engine.speculative_config import SpeculativeConfig
@@ -33,6 +35,8 @@ from compiled_engine.worker.model_runner import ModelRunner
 # The draft's own KV buffer has a row per request that speculates: at most this many (more
 # requests than this speculating at once take turns, least recently used first).
 MAX_DRAFT_SLOTS = 64
+
+logger = logging.getLogger(__name__)
 
 
 class DraftModelError(ValueError):
@@ -61,13 +65,21 @@ def build_draft_proposer(
         )
         proposer = DraftLoopProposer(decoder, num_slots, config.max_num_batched_tokens, config.seed)
         _warm_up(proposer)
+        how = (
+            f"the C++ loop (kernels/cpu_draft_decoder.cpp, version {CPU_DRAFT_DECODER_VERSION[:8]})"
+            if decoder.native is not None
+            else "a compiled torch call"
+            if not config.enforce_eager
+            else "eager torch"
+        )
+        logger.info("draft model %s: k=%d proposals a call by %s", spec.model, k, how)
         return proposer
     return _runner_proposer(draft, spec.model, config, num_kv_blocks)
 
 
 def _warm_up(proposer: DraftProposer) -> None:
-    """Compile the proposal call now (a greedy and a sampled call share its graph), not on the
-    first request; then forget the warm-up request."""
+    """Build the proposal call now (a compiled one: a greedy and a sampled call share its graph;
+    the C++ one: its library), not on the first request; then forget the warm-up request."""
     for temperature in (0.0, 1.0):
         proposer.propose("warm-up", np.array([0, 0], dtype=np.int64), (), 1, DraftSampling(temperature))
     proposer.forget(("warm-up",))
