@@ -108,7 +108,7 @@ def test_gemv_call(benchmark, request, path):
         kernel = cpu_gemv.load().ce_cpu_gemv
         out = torch.empty(1, HIDDEN, dtype=DTYPE)
         fixed = (x.data_ptr(), HIDDEN, 1, entry.packed_ptr, None, out.data_ptr(), HIDDEN, HIDDEN)
-        isa, threads = cpu_gemv.best_isa(), torch.get_num_threads()
+        isa, threads = cpu_gemv.gemv_isa(), torch.get_num_threads()
 
         def call():
             kernel(*fixed, entry.dtype_code, isa, threads)

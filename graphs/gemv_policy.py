@@ -115,9 +115,9 @@ _MIN_SPEEDUP = 1.1
 # (a bench-small bf16 engine here recorded 1.17/1.23 ms torch/packed at 4 rows and 1.29/1.30
 # at 8, so its 64-row bucket ran torch's GEMM; docs/performance.md, session 14).
 _PACKED_TIE = 1.1
-# Row counts above this never time (or run) the C++ GEMV: it re-reads the weight per 4 rows,
-# and oneDNN's GEMM takes over well before.
-_MAX_KERNEL_ROWS = 8
+# Row counts above this never time (or run) the C++ GEMV: past its AMX tile path's 16 rows it
+# re-reads the weight per 4 rows, and oneDNN's GEMM takes over well before.
+_MAX_KERNEL_ROWS = 16
 # A median this far above the fastest call means other work competed for the cores.
 _NOISY_SPREAD = 1.5
 # Linears in one measured set (see the module docstring); a shape the model has once still

@@ -18,8 +18,9 @@
 //
 // Paths (`isa`): 3 = AVX-512 BF16 (`_mm512_dpbf16_ps` for bf16 weights, else as 2); 2 = AVX-512F,
 // bf16 widened to float32 by shifting its bits; 1 = AVX2 + FMA + F16C (the same maths 8 features a
-// register, see the AVX2 section); 0 = plain C++ loops over the same layout. The caller picks the
-// best this CPU has; tests force the others. Intrinsics sit in functions with `target` attributes,
+// register, see the AVX2 section); 0 = plain C++ loops over the same layout. 4 = as 3, plus AMX
+// tiles for bf16 weights and activations at 4 to 16 rows (the tile section says why and when).
+// The caller picks the best this CPU has; tests force the others. Intrinsics sit in functions with `target` attributes,
 // so the file builds on any x86-64 compiler whatever -march=native says.
 
 #include <algorithm>
@@ -29,6 +30,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define CE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
 #define CE_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -378,6 +381,111 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
   block_portable(p, block, row0, nrows);
 }
 
+// ---- AMX tiles: bf16 at 4 to 16 rows ---------------------------------------------------------
+//
+// Past one row the GEMV's multiply-adds, not its bytes, are the cost: vdpbf16ps does 32 of them
+// an instruction per row, so 8 rows took ~4x one row's time on the embedded model's LM head
+// (docs/performance.md), where each weight is still read once. A TDPBF16PS does 16 rows x 32
+// inputs x 16 outputs, so 16 rows cost about what 4 do. The packed bf16 layout is
+// already the B tile's (pairs of inputs per output, [k/2][64][2]): a step's four B tiles (16 input
+// pairs x 16 outputs each) load straight from it with a 256-byte stride. The A tile is the rows'
+// bf16 activations, padded with zero rows to 16. Inputs must come in whole steps of 32 (so no
+// tile reads past a block's inputs), which real models' widths are; other shapes and float32 /
+// float16 keep the paths above.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CE_GEMV_AMX 1
+#define CE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
+constexpr int64_t kTileK = 32;     // inputs per tile step
+constexpr int64_t kTileRows = 16;  // rows of an A tile
+// Fewer rows keep the dot path: a call's fixed tile cost (the configuration, zeroing and storing
+// four C tiles a block) lost to it at 2 rows on every linear of the embedded model, and at up to
+// 5 on the smallest (docs/performance.md).
+constexpr int64_t kMinTileRows = 4;
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the AMX register state only on request, once per process.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// finish_block for the tile path (bf16 outputs), 16 outputs a vector: the scalar one, at a few
+// nanoseconds an output, cost more than the tiles' multiply-adds at 16 rows.
+CE_AMX void finish_block_bf16(const Problem& p, int64_t block, int nrows, const float* acc) {
+  const int64_t first = block * kBlock;
+  const int64_t count = std::min(kBlock, p.out_features - first);
+  for (int r = 0; r < nrows; ++r) {
+    uint16_t* out_row = static_cast<uint16_t*>(p.out) + r * p.out_features + first;
+    for (int64_t f = 0; f < count; f += 16) {
+      const __mmask16 mask = count - f >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - f)) - 1);
+      __m512 v = _mm512_loadu_ps(acc + r * kBlock + f);
+      if (p.bias != nullptr) {
+        const __m256i b = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.bias) + first + f);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+      _mm256_mask_storeu_epi16(out_row + f, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  }
+}
+
+// One block of 64 outputs for every row: C0..C3 (16 outputs each) += A x B over the inputs.
+CE_AMX void block_tiles(const Problem& p, const uint16_t* x_tiles, int64_t block) {
+  const int64_t k_count = p.k_padded;
+  const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock;
+  constexpr int64_t kRowBytes = 2 * kBlock * 2;  // one input pair of the block: 64 outputs x 2 bf16
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < k_count; k0 += kTileK) {
+    const uint16_t* b = w + (k0 / 2) * 2 * kBlock;  // this step's 16 input pairs
+    _tile_loadd(4, x_tiles + k0, k_count * 2);
+    _tile_loadd(5, b, kRowBytes);
+    _tile_loadd(6, b + 32, kRowBytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(7, b + 64, kRowBytes);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 96, kRowBytes);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  alignas(64) float sums[kTileRows * kBlock];
+  _tile_stored(0, sums, kBlock * 4);
+  _tile_stored(1, sums + 16, kBlock * 4);
+  _tile_stored(2, sums + 32, kBlock * 4);
+  _tile_stored(3, sums + 48, kBlock * 4);
+  finish_block_bf16(p, block, static_cast<int>(p.rows), sums);
+}
+
+CE_AMX void run_tiles(const Problem& p, const uint16_t* x_tiles, int64_t blocks, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = kTileRows;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) block_tiles(p, x_tiles, block);
+    _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -392,7 +500,8 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
   // (the pairs vdpbf16ps broadcasts) for the dot path.
   const bool dot = dtype == kBFloat16 && isa >= 3;
   std::vector<float> x_float(dot ? 0 : rows * k_padded, 0.0f);
-  std::vector<uint16_t> x_bf16(dot ? rows * k_padded : 0, 0);
+  // At least 16 rows for the tile path's A tile (zero rows past `rows`).
+  std::vector<uint16_t> x_bf16(dot ? std::max<int64_t>(rows, 16) * k_padded : 0, 0);
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = static_cast<const char*>(x) + r * x_stride * (dtype == kFloat32 ? 4 : 2);
     if (dot) std::memcpy(x_bf16.data() + r * k_padded, row, in_features * 2);
@@ -403,11 +512,28 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
             x_float.data(), x_bf16.data(), k_padded};
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#ifdef CE_GEMV_AMX
+  if (dot && isa >= 4 && rows >= kMinTileRows && rows <= kTileRows && in_features % kTileK == 0 &&
+      amx_permitted()) {
+    run_tiles(p, x_bf16.data(), blocks, threads);
+    return 0;
+  }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t block = 0; block < blocks; ++block)
     for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows)
       run_block(p, block, row0, static_cast<int>(std::min<int64_t>(kMaxRows, rows - row0)), isa);
   return 0;
+}
+
+// 1 when the tile path is built in (a compiler and -march with AMX) and Linux grants the tile
+// state to this process, else 0: then isa 4 runs as 3.
+int ce_cpu_gemv_tiles_available() {
+#ifdef CE_GEMV_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 }  // extern "C"

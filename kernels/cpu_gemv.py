@@ -46,12 +46,18 @@ BLOCK = 64
 # Instruction-set paths of the kernel (`isa` in the .cpp), best last: a CPU that runs one runs every
 # one before it.
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
+# The GEMV's path above them: AVX-512 BF16 plus AMX tiles for bf16 at 4 to 16 rows (the .cpp's tile
+# section). The GEMV alone runs it (`gemv_isa`); `best_isa` stays the instruction sets the other
+# kernels share.
+ISA_AMX_TILES = 4
 ISA_NAMES = {
     ISA_PORTABLE: "portable C++",
     ISA_AVX2: "AVX2",
     ISA_AVX512: "AVX-512F",
     ISA_AVX512_BF16: "AVX-512 BF16",
+    ISA_AMX_TILES: "AVX-512 BF16 + AMX tiles",
 }
+_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 _AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma"})
 
@@ -79,6 +85,20 @@ def best_isa() -> int:
     return isa_for_flags(_cpu_flags())
 
 
+@cache
+def gemv_isa() -> int:
+    """The path the GEMV runs here: `best_isa`, with AMX tiles where the CPU has AMX BF16, the
+    library was built with them and Linux grants this process the tile state."""
+    isa = best_isa()
+    if isa != ISA_AVX512_BF16 or not _AMX_FLAGS <= _cpu_flags():
+        return isa
+    try:
+        tiles = load().ce_cpu_gemv_tiles_available() == 1
+    except CpuKernelBuildError:
+        return isa
+    return ISA_AMX_TILES if tiles else isa
+
+
 def _declare(library: ctypes.CDLL) -> None:
     function = library.ce_cpu_gemv
     function.argtypes = [
@@ -86,6 +106,8 @@ def _declare(library: ctypes.CDLL) -> None:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     function.restype = ctypes.c_int
+    library.ce_cpu_gemv_tiles_available.argtypes = []
+    library.ce_cpu_gemv_tiles_available.restype = ctypes.c_int
 
 
 def load(directory: Path | None = None) -> ctypes.CDLL:
@@ -212,8 +234,8 @@ def cpu_gemv_linear(
                          f"{None if bias is None else bias.dtype}")  # fmt: skip
     if x.shape[-1] != entry.in_features:
         raise ValueError(f"cpu_gemv: x has {x.shape[-1]} features, the weight takes {entry.in_features}")
-    chosen = best_isa() if isa is None else isa
-    if chosen > best_isa():
+    chosen = gemv_isa() if isa is None else isa
+    if chosen > gemv_isa():
         raise ValueError(f"cpu_gemv: this CPU cannot run the {ISA_NAMES.get(chosen, chosen)} path")
     rows = x.reshape(-1, entry.in_features)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < entry.in_features):
@@ -244,7 +266,7 @@ def _cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     out = x.new_empty((*x.shape[:-1], entry.out_features))
     code = _kernel()(
         x.data_ptr(), in_features, x.numel() // in_features, entry.packed_ptr, None, out.data_ptr(),
-        in_features, entry.out_features, entry.dtype_code, best_isa(), torch.get_num_threads(),
+        in_features, entry.out_features, entry.dtype_code, gemv_isa(), torch.get_num_threads(),
     )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"cpu_gemv: the kernel rejected its arguments (code {code})")

@@ -36,7 +36,7 @@ extern "C" int ce_cpu_paged_attention(const int64_t* ints, float scale, float so
 
 namespace {
 
-// The GEMV's instruction-set path (kernels/cpu_gemv.py's best_isa), set once after loading.
+// The GEMV's instruction-set path (kernels/cpu_gemv.py's gemv_isa), set once after loading.
 std::atomic<int> g_isa{0};
 
 int dtype_code(at::ScalarType type) {

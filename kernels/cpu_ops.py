@@ -80,7 +80,7 @@ def use_native_ops(directory: Path | None = None) -> str | None:
                 path = build(directory)
                 torch.ops.load_library(str(path))
                 library = ctypes.CDLL(str(path))
-                library.ce_cpu_ops_configure(ctypes.c_int(cpu_gemv.best_isa()))
+                library.ce_cpu_ops_configure(ctypes.c_int(cpu_gemv.gemv_isa()))
                 library.ce_cpu_ops_packed_copies.restype = ctypes.c_int64
                 _library, _result = library, None
             except (CpuKernelBuildError, OSError, RuntimeError, AttributeError) as exc:

@@ -8,15 +8,16 @@ import torch.nn.functional as F
 
 from compiled_engine.kernels import cpu_gemv as gemv
 from compiled_engine.kernels.cpu_gemv import (
+    ISA_AMX_TILES,
     ISA_AVX2,
     ISA_AVX512,
     ISA_AVX512_BF16,
     ISA_PORTABLE,
     PACKED_GEMV_WEIGHTS,
-    best_isa,
     cpu_gemv,
     cpu_gemv_available,
     cpu_gemv_linear,
+    gemv_isa,
     isa_for_flags,
     pack_gemv_weight,
 )
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.skipif(not cpu_gemv_available(torch.float32), reason="n
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every path this CPU runs; forcing the lower ones is how a CPU without them is covered.
-ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16) if isa <= best_isa()]
+ISAS = [
+    isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX_TILES) if isa <= gemv_isa()
+]
 # (rows, in_features, out_features): odd sizes, none a multiple of 16 or 32, past one 64-feature
 # block and past the kernel's 4 rows per pass.
 SHAPES = [(1, 33, 70), (2, 129, 200), (3, 7, 5), (5, 515, 131), (6, 64, 64)]
@@ -80,6 +83,22 @@ def test_the_bf16_paths_agree_with_each_other() -> None:
     results = [cpu_gemv_linear(x, w, isa=isa).float() for isa in ISAS]
     for result in results[1:]:
         torch.testing.assert_close(result, results[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(gemv_isa() < ISA_AMX_TILES, reason="no AMX tiles here")
+@pytest.mark.parametrize("in_features", [64, 96, 256])
+def test_the_amx_tile_path_at_4_to_16_rows(in_features) -> None:
+    """bf16 at 4 to 16 rows and inputs in whole steps of 32 run on tiles (fewer rows, 17 rows and
+    other widths keep the dot path): every row count against F.linear and against the dot path."""
+    generator = torch.Generator().manual_seed(in_features)
+    w = torch.randn(200, in_features, generator=generator).to(torch.bfloat16)  # a partial last block
+    b = torch.randn(200, generator=generator).to(torch.bfloat16)
+    for rows in range(1, 18):
+        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+        tiles = cpu_gemv_linear(x, w, b, isa=ISA_AMX_TILES)
+        _check(tiles, x, w, b)
+        dot = cpu_gemv_linear(x, w, b, isa=ISA_AVX512_BF16)
+        torch.testing.assert_close(tiles.float(), dot.float(), rtol=1e-2, atol=2e-2)
 
 
 def test_isa_follows_the_cpu_flags() -> None:
@@ -142,11 +161,11 @@ def test_bad_inputs_are_refused(x, w, b, message) -> None:
 
 
 def test_a_path_the_cpu_lacks_is_refused() -> None:
-    if best_isa() == ISA_AVX512_BF16:
+    if gemv_isa() == ISA_AMX_TILES:
         pytest.skip("this CPU runs every path")
     with pytest.raises(ValueError, match="cannot run"):
-        cpu_gemv_linear(torch.randn(1, 8), torch.randn(4, 8), isa=ISA_AVX512_BF16)
-    assert gemv.ISA_NAMES[best_isa()]
+        cpu_gemv_linear(torch.randn(1, 8), torch.randn(4, 8), isa=gemv_isa() + 1)
+    assert gemv.ISA_NAMES[gemv_isa()]
 
 
 def test_a_packed_copy_lives_as_long_as_its_weight() -> None:
