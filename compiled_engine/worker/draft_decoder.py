@@ -198,11 +198,11 @@ class DraftDecoder:
         (softmax(logits / T)); for T = 0 the proposals are the argmaxes and no q is returned."""
         first = max(position - 1, 0)
         if self.native is not None:
-            tokens = last_two if position > 0 else last_two[1:]
+            fed = last_two if position > 0 else last_two[1:]
             sampled = temperature > 0
             return self.native.propose(
                 slot,
-                tokens,
+                fed,
                 first,
                 self.num_proposals,
                 temperature,
