@@ -9,7 +9,9 @@ model's), builds its proposal call, prefills a 200-token context into one slot a
 back), median of `--rounds` rounds of `--calls` calls, for each implementation asked for:
 `native`, the C++ loop the engine uses on the CPU (kernels/cpu_draft_decoder.cpp), and
 `compiled`, the torch function under Inductor. `--max-len` is the slot's length: the engine's is
-max_model_len + k (the default model's max_model_len is 1024). With `--profile` it prints
+max_model_len + k (the default model's max_model_len is 1024). It also times the draft's
+prefill of a `--prefill-tokens` prompt (the decoder's eager torch forward, which both
+implementations share: what a request's first proposal costs on top). With `--profile` it prints
 torch.profiler's table of the ops one call runs. Compare with a plain decode step of the target
 (bench/speculative.py's "none" column: 1 / tokens per second) to see what k proposals cost in
 target steps.
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument(
         "--implementation", nargs="+", choices=("native", "compiled"), default=("native", "compiled")
     )
@@ -48,6 +51,22 @@ def main() -> None:
         native = implementation == "native"
         decoder = DraftDecoder(loaded.model, 1, args.max_len, args.k, device, compiled=True, native=native)
         _time(decoder, implementation, args)
+    _time_prefill(decoder, args)
+
+
+def _time_prefill(decoder: DraftDecoder, args: argparse.Namespace) -> None:
+    tokens = torch.arange(args.prefill_tokens) % decoder.vocab_size
+    for _ in range(3):
+        decoder.prefill(0, tokens, 0)
+    per_call = []
+    for _ in range(args.rounds * 4):
+        started = time.perf_counter()
+        decoder.prefill(0, tokens, 0)
+        per_call.append(time.perf_counter() - started)
+    print(
+        f"prefill of {args.prefill_tokens} tokens: {statistics.median(per_call) * 1e3:.2f} ms "
+        f"(median of {len(per_call)}; min {min(per_call) * 1e3:.2f})"
+    )
 
 
 def _time(decoder: DraftDecoder, implementation: str, args: argparse.Namespace) -> None:

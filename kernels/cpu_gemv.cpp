@@ -384,8 +384,8 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 // ---- AMX tiles: bf16 at 4 to 16 rows ---------------------------------------------------------
 //
 // Past one row the GEMV's multiply-adds, not its bytes, are the cost: vdpbf16ps does 32 of them
-// an instruction per row, so 8 rows took ~4x one row's time on the embedded model's LM head
-// (docs/performance.md), where each weight is still read once. A TDPBF16PS does 16 rows x 32
+// an instruction per row, so 8 rows took ~6x one row's time on the embedded model's LM head
+// (bench/test_gemv_rows.py, docs/performance.md), where each weight is still read once. A TDPBF16PS does 16 rows x 32
 // inputs x 16 outputs, so 16 rows cost about what 4 do. The packed bf16 layout is
 // already the B tile's (pairs of inputs per output, [k/2][64][2]): a step's four B tiles (16 input
 // pairs x 16 outputs each) load straight from it with a 256-byte stride. The A tile is the rows'
@@ -399,8 +399,8 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 constexpr int64_t kTileK = 32;     // inputs per tile step
 constexpr int64_t kTileRows = 16;  // rows of an A tile
 // Fewer rows keep the dot path: a call's fixed tile cost (the configuration, zeroing and storing
-// four C tiles a block) lost to it at 2 rows on every linear of the embedded model, and at up to
-// 5 on the smallest (docs/performance.md).
+// four C tiles a block) is not repaid at 2 rows (a scratch timing of the embedded model's
+// linears); at 4 the tiles won on each (bench/test_gemv_rows.py).
 constexpr int64_t kMinTileRows = 4;
 
 struct alignas(64) TileConfig {

@@ -264,14 +264,13 @@ class DraftDecoder:
         None: the compiled call's fixed shape); none of them may be past it."""
         b, t = tokens.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        group = nh // nkv
         x = F.embedding(tokens, self.embed)  # [B, T, H]
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, hd]
         rows = slots[:, None].expand(b, t)
         # Key j is visible to the query at position p when j <= p (the row's own earlier tokens).
         num_keys = num_keys or self.max_len
         visible = torch.arange(num_keys, device=tokens.device) <= positions[:, :, None]  # [B, T, M]
-        mask = visible[:, None, None]  # [B, 1, 1, T, M]
+        mask = visible[:, None]  # [B, 1, T, M]
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
@@ -282,14 +281,13 @@ class DraftDecoder:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k_cache[index].index_put_((rows, positions), k)
             v_cache[index].index_put_((rows, positions), v)
-            keys = k_cache[index][slots, :num_keys].permute(0, 2, 3, 1)  # [B, nkv, hd, M]
+            keys = k_cache[index][slots, :num_keys].transpose(1, 2)  # [B, nkv, M, hd]
             values = v_cache[index][slots, :num_keys].transpose(1, 2)  # [B, nkv, M, hd]
-            # GQA: query head h reads kv head h // group.
-            queries = q.view(b, t, nkv, group, hd).permute(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
-            scores = torch.matmul(queries, keys[:, :, None]) * hd**-0.5  # [B, nkv, g, T, M]
-            scores = scores.masked_fill(~mask, float("-inf"))
-            attn = torch.matmul(torch.softmax(scores.float(), dim=-1).to(x.dtype), values[:, :, None])
-            attn = attn.permute(0, 3, 1, 2, 4).reshape(b, t, nh * hd)
+            # GQA: query head h reads kv head h // (nh // nkv).
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+            )
+            attn = attn.transpose(1, 2).reshape(b, t, nh * hd)
             x = x + F.linear(attn, layer.o)
             h = _rms_norm(x, layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
