@@ -262,7 +262,8 @@ void forward_token(const CeDraftModel& m, Scratch& s, int64_t slot, int64_t toke
     }
 #pragma omp for schedule(static)
     for (int64_t hq = 0; hq < NH; ++hq)
-      attend(q, keys, values, s.scores.data() + hq * m.max_len, s.attn.data(), hq, NH / NKV, NKV, D, position);
+      attend(q, keys, values, s.scores.data() + hq * m.max_len, s.attn.data(), hq, NH / NKV, NKV, D,
+             position);
     gemv<W>(layer.o, s.attn.data(), nullptr, h, H, NH * D);
 #pragma omp single
     {
@@ -351,7 +352,8 @@ int ce_draft_propose(const CeDraftModel* model, int64_t slot, const int64_t* tok
         }
         proposals[step] = token;
       }
-      if (step + 1 < num_proposals) forward(m, scratch, slot, token, first_position + num_tokens + step, logits.data());
+      if (step + 1 < num_proposals)
+        forward(m, scratch, slot, token, first_position + num_tokens + step, logits.data());
     }
   }
   return 0;

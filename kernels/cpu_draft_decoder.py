@@ -4,9 +4,9 @@ Why: the draft of speculative decoding's `draft_model` method pays only when its
 small part of one target step. As a compiled torch graph (worker/draft_decoder.py's `propose`)
 a call cost more than a plain step of the embedded model on this machine (docs/performance.md):
 launching its ~100 small kernels, gathering the slot's KV row and attending over all of it. The
-.cpp runs the same maths as plain float32 loops on one thread, over the positions written only,
-reading the weight matrices in bfloat16 where the draft runs in it (half the bytes, widened
-exactly).
+.cpp runs the same maths as plain float32 loops on one OpenMP team (torch's thread count), over
+the positions written only, reading the weight matrices in bfloat16 where the draft runs in it
+(half the bytes, widened exactly).
 
 `NativeDraftModel` points the kernel at a `DraftDecoder`'s tensors: its weights, rotary tables
 and KV buffers (prefill stays the decoder's torch forward, which writes the same buffers). It

@@ -20,8 +20,8 @@
 // bf16 widened to float32 by shifting its bits; 1 = AVX2 + FMA + F16C (the same maths 8 features a
 // register, see the AVX2 section); 0 = plain C++ loops over the same layout. 4 = as 3, plus AMX
 // tiles for bf16 weights and activations at 4 to 16 rows (the tile section says why and when).
-// The caller picks the best this CPU has; tests force the others. Intrinsics sit in functions with `target` attributes,
-// so the file builds on any x86-64 compiler whatever -march=native says.
+// The caller picks the best this CPU has; tests force the others. Intrinsics sit in functions
+// with `target` attributes, so the file builds on any x86-64 compiler whatever -march=native says.
 
 #include <algorithm>
 #include <cstdint>
@@ -385,13 +385,13 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 //
 // Past one row the GEMV's multiply-adds, not its bytes, are the cost: vdpbf16ps does 32 of them
 // an instruction per row, so 8 rows took ~6x one row's time on the embedded model's LM head
-// (bench/test_gemv_rows.py, docs/performance.md), where each weight is still read once. A TDPBF16PS does 16 rows x 32
-// inputs x 16 outputs, so 16 rows cost about what 4 do. The packed bf16 layout is
-// already the B tile's (pairs of inputs per output, [k/2][64][2]): a step's four B tiles (16 input
-// pairs x 16 outputs each) load straight from it with a 256-byte stride. The A tile is the rows'
-// bf16 activations, padded with zero rows to 16. Inputs must come in whole steps of 32 (so no
-// tile reads past a block's inputs), which real models' widths are; other shapes and float32 /
-// float16 keep the paths above.
+// (bench/test_gemv_rows.py, docs/performance.md), where each weight is still read once. A
+// TDPBF16PS does 16 rows x 32 inputs x 16 outputs, so 16 rows cost about what 4 do. The packed
+// bf16 layout is already the B tile's (pairs of inputs per output, [k/2][64][2]): a step's four
+// B tiles (16 input pairs x 16 outputs each) load straight from it with a 256-byte stride. The A
+// tile is the rows' bf16 activations, padded with zero rows to 16. Inputs must come in whole
+// steps of 32 (so no tile reads past a block's inputs), which real models' widths are; other
+// shapes and float32 / float16 keep the paths above.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define CE_GEMV_AMX 1
 #define CE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
