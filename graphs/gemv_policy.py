@@ -59,9 +59,11 @@ the weights and tie within noise, and a tie must not hand the compute-bound rows
 4 rows up (docs/performance.md).
 
 Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a
-row) the hand-written C++ GEMV (kernels/cpu_gemv.py, its weights packed before timing) is timed
-too, on the finished inputs as torch's GEMM is (it runs the same prologue once). A row count
-runs it (`kernel_rows`) where its fastest call beats both GEMM forms, and the lowering
+row; a bf16 kernel with AMX tiles starts its count again at the tiles' first row count, where
+it becomes another kernel) the hand-written C++ GEMV (kernels/cpu_gemv.py, its weights packed
+before timing) is timed too, on the finished inputs as torch's GEMM is (it runs the same
+prologue once). A row count runs it (`kernel_rows`) where its fastest call beats both GEMM forms,
+and the lowering
 then has to beat it by _MIN_SPEEDUP as it has to beat the GEMMs. On bench-small's linears (bf16,
 2 threads, 1 row, a loaded machine) its fastest call took 2.05 ms against 15.5 (oneDNN), 20.6
 (`F.linear`) and 30.6 (the lowering); docs/performance.md has the rest.
@@ -91,9 +93,12 @@ from compiled_engine.graphs.passes.fuse_linears import constant_tensor, linear_o
 from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.kernels.cpu_gemv import (
     CPU_GEMV_VERSION,
+    ISA_AMX_TILES,
     PACKED_GEMV_WEIGHTS,
+    TILE_MIN_ROWS,
     cpu_gemv,
     cpu_gemv_available,
+    gemv_isa,
 )
 from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear, onednn_linear_available
 from compiled_engine.kernels.source_version import source_version
@@ -452,9 +457,18 @@ def measure_gemv_rows(
     unmeasured: list[int] = []
     gemm_wins_in_a_row = 0
     kernel_losses_in_a_row = 0
+    # From TILE_MIN_ROWS on, a bf16 kernel on a CPU with AMX runs its tile path: another kernel,
+    # which its dot path's losses at fewer rows say nothing about.
+    tiles_from = (
+        TILE_MIN_ROWS
+        if kernel_available and dtype == torch.bfloat16 and gemv_isa() >= ISA_AMX_TILES
+        else None
+    )
     # The GEMM form that won the last unlowered rows (packed or not), and how many in a row.
     gemm_form, form_wins_in_a_row = False, 0
     for rows in rows_to_try:
+        if tiles_from is not None and rows >= tiles_from:
+            kernel_losses_in_a_row, tiles_from = 0, None
         lowering_in_play = gemm_wins_in_a_row < _GEMM_WINS_TO_STOP
         kernel_in_play = (
             kernel_available and rows <= _MAX_KERNEL_ROWS and kernel_losses_in_a_row < _GEMM_WINS_TO_STOP

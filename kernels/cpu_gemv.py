@@ -50,6 +50,8 @@ ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
 # section). The GEMV alone runs it (`gemv_isa`); `best_isa` stays the instruction sets the other
 # kernels share.
 ISA_AMX_TILES = 4
+# Rows from which that path runs the tiles (kMinTileRows in the .cpp; fewer take the dot path).
+TILE_MIN_ROWS = 4
 ISA_NAMES = {
     ISA_PORTABLE: "portable C++",
     ISA_AVX2: "AVX2",

@@ -428,6 +428,27 @@ def test_the_lowering_must_beat_the_faster_gemm_form() -> None:
     assert RowTiming(1, 5.0, 1.0, 5.0, 0.8, 1.1, 1.0).lowering_wins
 
 
+def test_the_tile_path_is_timed_after_the_dot_path_lost(monkeypatch) -> None:
+    """With AMX tiles the kernel is another kernel from TILE_MIN_ROWS rows on: two losses of its
+    dot path below that do not stop it being timed there."""
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "cpu_gemv_available", lambda dtype, device: True)
+    outcomes = {1: "packed", 2: "packed", 4: "kernel", 8: "kernel", 16: "packed"}
+    for isa, kernel_rows, kernel_timed in (
+        (gemv_policy.ISA_AMX_TILES, (4, 8), [1, 2, 4, 8, 16]),
+        (gemv_policy.ISA_AMX_TILES - 1, (), [1, 2]),  # no tiles: two losses end it
+    ):
+        monkeypatch.setattr(gemv_policy, "gemv_isa", lambda isa=isa: isa)
+        kernel_seen: list[int] = []
+        monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, [], kernel_seen))
+        decision = measure_gemv_rows(SMALL_SHAPES, sorted(outcomes), torch.bfloat16, "cpu")
+        assert decision.kernel_rows == kernel_rows and kernel_seen == kernel_timed
+        # float32 has no tile path: the dot path's two losses end the kernel's timing.
+        kernel_seen.clear()
+        measure_gemv_rows(SMALL_SHAPES, sorted(outcomes), torch.float32, "cpu")
+        assert kernel_seen == [1, 2]
+
+
 @pytest.mark.parametrize(
     ("outcomes", "kernel_rows", "lowered", "packed", "kernel_timed"),
     [
