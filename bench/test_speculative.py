@@ -121,8 +121,11 @@ def test_speculative_one_request_interleaved(benchmark, request, engines):
     methods = list(engines)
     prompts = completion_prompts(engines["none"].get_tokenizer(), rounds, prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for llm in engines.values():  # warm-up: every prompt, so each bucket its steps use is compiled
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for (
+        llm
+    ) in engines.values():  # warm-up: every prompt alone (as timed), so each bucket its steps use is compiled
+        for p in prompts:
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
     times: dict[str, list[float]] = {method: [] for method in methods}
     round_index = iter(range(2 * rounds))
 
