@@ -121,9 +121,8 @@ def test_speculative_one_request_interleaved(benchmark, request, engines):
     methods = list(engines)
     prompts = completion_prompts(engines["none"].get_tokenizer(), rounds, prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for (
-        llm
-    ) in engines.values():  # warm-up: every prompt alone (as timed), so each bucket its steps use is compiled
+    # Warm-up: every prompt alone, as timed (with proposals), so each bucket its steps use is built.
+    for llm in engines.values():
         for p in prompts:
             llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
     times: dict[str, list[float]] = {method: [] for method in methods}
