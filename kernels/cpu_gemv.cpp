@@ -499,9 +499,16 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
   // x once, padded with a zero k where in_features is odd: float32 for the float paths, bf16
   // (the pairs vdpbf16ps broadcasts) for the dot path.
   const bool dot = dtype == kBFloat16 && isa >= 3;
+#ifdef CE_GEMV_AMX
+  const bool tiles = dot && isa >= 4 && rows >= kMinTileRows && rows <= kTileRows &&
+                     in_features % kTileK == 0 && amx_permitted();
+  // The tile path's A tile is a whole 16 rows (zero rows past `rows`); the others take `rows`.
+  const int64_t x_rows = tiles ? kTileRows : rows;
+#else
+  const int64_t x_rows = rows;
+#endif
   std::vector<float> x_float(dot ? 0 : rows * k_padded, 0.0f);
-  // At least 16 rows for the tile path's A tile (zero rows past `rows`).
-  std::vector<uint16_t> x_bf16(dot ? std::max<int64_t>(rows, 16) * k_padded : 0, 0);
+  std::vector<uint16_t> x_bf16(dot ? x_rows * k_padded : 0, 0);
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = static_cast<const char*>(x) + r * x_stride * (dtype == kFloat32 ? 4 : 2);
     if (dot) std::memcpy(x_bf16.data() + r * k_padded, row, in_features * 2);
@@ -513,8 +520,7 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
 #ifdef CE_GEMV_AMX
-  if (dot && isa >= 4 && rows >= kMinTileRows && rows <= kTileRows && in_features % kTileK == 0 &&
-      amx_permitted()) {
+  if (tiles) {
     run_tiles(p, x_bf16.data(), blocks, threads);
     return 0;
   }
