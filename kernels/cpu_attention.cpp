@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // The library is built with -march=native, so these compile-time checks are the machine's.
@@ -277,7 +278,7 @@ inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
 }
 
 constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
-constexpr int64_t kSpan = 4;  // blocks per online-softmax update (attend_row)
+constexpr int64_t kSpan = 4;  // blocks per online-softmax update (attend_rows)
 
 // kLocality: __builtin_prefetch's (1: into the outer caches; 3: into L1 as well).
 template <int kLocality>
@@ -351,7 +352,9 @@ inline float row_scale(const C* row, int64_t scale_offset) {
 // dots of a head end in one transpose-add tree (`reduce_lanes`). On a quantized cache the
 // per-element work is what bounds the read, not the bytes (int8 rows are half of bf16's), so this
 // is where an int8 cache gains its speed.
-constexpr int64_t kFastGroup = 8;  // query heads per KV head the fast path keeps partial dots for
+// Query vectors per KV head the fast path keeps partial dots for: a KV head's query heads, times
+// the rows of one sequence that attend together (attend_rows).
+constexpr int64_t kFastGroup = 16;
 
 // scores[g * bs + j] = q_g . row_j (times row_j's scale when quantized) for j < n, g < group.
 template <typename C, int kHeadDim, bool kQuantized>
@@ -528,13 +531,32 @@ void block_values(float* acc, int64_t group, const float* weights, int64_t bs, c
                   int64_t stride_slot, int64_t n, int64_t scale_offset) {
   constexpr int kChunks = kHeadDim / kLanes;
   if constexpr (kChunks <= kAccumulators) {
-    if (group == 1) return block_values_fixed<C, kHeadDim, kQuantized, 1>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
-  }
-  if constexpr (2 * kChunks <= kAccumulators) {
-    if (group == 2) return block_values_fixed<C, kHeadDim, kQuantized, 2>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
-  }
-  if constexpr (4 * kChunks <= kAccumulators) {
-    if (group == 4) return block_values_fixed<C, kHeadDim, kQuantized, 4>(acc, weights, bs, first_row, stride_slot, n, scale_offset);
+    // Four (or two, or one) query vectors at a time with their accumulators in registers: a
+    // larger group (several rows of a sequence, attend_rows) widens the block's rows once per
+    // four vectors, from L1 after the first time, instead of loading and storing every
+    // accumulator once per row.
+    for (int64_t g = 0; g < group;) {
+      const int64_t left = group - g;
+      float* a = acc + g * kHeadDim;
+      const float* w = weights + g * bs;
+      if constexpr (4 * kChunks <= kAccumulators) {
+        if (left >= 4) {
+          block_values_fixed<C, kHeadDim, kQuantized, 4>(a, w, bs, first_row, stride_slot, n, scale_offset);
+          g += 4;
+          continue;
+        }
+      }
+      if constexpr (2 * kChunks <= kAccumulators) {
+        if (left >= 2) {
+          block_values_fixed<C, kHeadDim, kQuantized, 2>(a, w, bs, first_row, stride_slot, n, scale_offset);
+          g += 2;
+          continue;
+        }
+      }
+      block_values_fixed<C, kHeadDim, kQuantized, 1>(a, w, bs, first_row, stride_slot, n, scale_offset);
+      g += 1;
+    }
+    return;
   }
   for (int64_t j = 0; j < n; ++j) {
     const C* row = first_row + j * stride_slot;
@@ -587,14 +609,22 @@ inline int64_t row_sequence(const Problem& pb, int64_t t, int64_t* position) {
   return lo;
 }
 
-// Attends row t for KV heads [head_begin, head_end) and all their query heads. Walking every head
-// of a slot together reads the cache's [slot, head, d] rows front to back, which the hardware
-// prefetcher follows; one head at a time read a quarter of each row at a stride.
+// Attends rows t0 .. t0 + num_rows - 1 (consecutive rows of one sequence, or one padding row) for
+// KV heads [head_begin, head_end) and all their query heads. Walking every head of a slot
+// together reads the cache's [slot, head, d] rows front to back, which the hardware prefetcher
+// follows; one head at a time read a quarter of each row at a stride. The rows share one walk
+// over the keys the first of them sees (a verification step's k + 1 rows, a prefill's rows):
+// each key and value is read and widened once for all of them, and the few keys a row must not
+// see (past its position, or before its window) get a score of -inf, so a zero weight.
 template <typename T, typename C, int kHeadDim>
-void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_end, float* work) {
+void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_begin, int64_t head_end,
+                 float* work) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : pb.head_dim;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
-  const int64_t heads = (head_end - head_begin) * group;  // query heads in this item
+  // Query vectors per KV head: vector i of KV head h is row (i % qgroup) / group's query head
+  // h * group + i % group.
+  const int64_t qgroup = num_rows * group;
+  const int64_t heads = (head_end - head_begin) * qgroup;  // query vectors in this item
   const int64_t bs = pb.block_size;
   const int64_t sbs = kSpan * bs;  // a head's scores: one span of blocks
   const T* query = static_cast<const T*>(pb.query);
@@ -618,17 +648,25 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
                              kHeadDim % 64 == 0 && kHeadDim <= 128;
 #endif
 
-  int64_t position = -1;
-  const int64_t seq = row_sequence(pb, t, &position);
-  // Keys [lo, hi) are visible: causal up to the row's position, inside the window, inside the table.
-  const int64_t hi = seq < 0 ? 0 : std::min(position + 1, pb.width * bs);
-  const int64_t lo = (seq < 0 || pb.sliding_window <= 0) ? 0 : std::max<int64_t>(0, position - pb.sliding_window + 1);
+  int64_t position = -1;  // row t0's; row t0 + r is at position + r
+  const int64_t seq = row_sequence(pb, t0, &position);
+  // Keys [lo, hi) are visible to some row: causal up to the last row's position, inside the first
+  // row's window, inside the table. Row r sees [row_lo(r), position + r] of them.
+  const int64_t hi = seq < 0 ? 0 : std::min(position + num_rows, pb.width * bs);
+  auto row_lo = [&](int64_t r) {
+    return pb.sliding_window <= 0 ? int64_t{0} : std::max<int64_t>(0, position + r - pb.sliding_window + 1);
+  };
+  const int64_t lo = seq < 0 ? 0 : row_lo(0);
 
   const bool capped = pb.softcap > 0.0f;
   // Without a cap the scale folds into the query; with one it applies before the tanh.
   const float qs = capped ? 1.0f : pb.scale;
+  auto query_head = [&](int64_t i) {  // vector i's query head
+    return first_head + (i / qgroup) * group + i % group;
+  };
+  auto row_of = [&](int64_t i) { return (i % qgroup) / group; };
   for (int64_t i = 0; i < heads; ++i) {
-    const int64_t base = t * pb.q_stride_t + (first_head + i) * pb.q_stride_h;
+    const int64_t base = (t0 + row_of(i)) * pb.q_stride_t + query_head(i) * pb.q_stride_h;
     for (int64_t d = 0; d < D; ++d) q[i * D + d] = load(query, base + d) * qs;
     for (int64_t d = 0; d < D; ++d) acc[i * D + d] = 0.0f;
     row_max[i] = -std::numeric_limits<float>::infinity();
@@ -667,6 +705,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   // then their values. The softmax's per-update work (two lane reductions, the exponentials'
   // set-up, rescaling every accumulator) is then paid once per span, not once per 16-key block.
   for (int64_t start = lo; start < hi;) {
+    const int64_t span_start = start;  // the key scores[i * sbs] belongs to
     int64_t span_slot[kSpan], span_len[kSpan];
     int64_t num_blocks = 0, n = 0;  // blocks in this span, keys in them
     bool fast = false;  // the SIMD block loops below ran (head dims of kLanes' multiples, small groups)
@@ -681,7 +720,7 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
 
 #ifdef CE_ATTENTION_SIMD
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-        if (group <= kFastGroup) {
+        if (qgroup <= kFastGroup) {
           if (ahead >= 0) {
             for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
           }
@@ -693,16 +732,16 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
             for (int64_t r = 0; r < m; ++r) prefetch_row<3>(values + at + r * pb.stride_slot, row_bytes);
           }
           for (int64_t h = head_begin; h < head_end; ++h) {
-            const int64_t i0 = (h - head_begin) * group;
+            const int64_t i0 = (h - head_begin) * qgroup;
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
             if constexpr (kVnniKeys) {
-              block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, group,
+              block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, qgroup,
                                           keys + first_slot + h * pb.stride_head, pb.stride_slot, m,
                                           pb.scale_offset, scores + i0 * sbs + n, sbs);
               continue;
             }
 #endif
-            block_scores<C, kHeadDim, quantized<T, C>()>(q + i0 * D, group, keys + first_slot + h * pb.stride_head,
+            block_scores<C, kHeadDim, quantized<T, C>()>(q + i0 * D, qgroup, keys + first_slot + h * pb.stride_head,
                                                          pb.stride_slot, m, pb.scale_offset, scores + i0 * sbs + n,
                                                          sbs);
           }
@@ -719,8 +758,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
           // Quantized: the dot over the codes, then the row's scale once.
           float key_scale = 1.0f;
           if constexpr (quantized<T, C>()) key_scale = row_scale(keys + k, pb.scale_offset);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t i = (h - head_begin) * group + g;
+          for (int64_t g = 0; g < qgroup; ++g) {
+            const int64_t i = (h - head_begin) * qgroup + g;
             float s = dot_row<C, kHeadDim>(q + i * D, keys + k, D);
             if constexpr (quantized<T, C>()) s *= key_scale;
             scores[i * sbs + n + j] = s;
@@ -734,6 +773,17 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
       float* si = scores + i * sbs;
       if (capped) {
         for (int64_t j = 0; j < n; ++j) si[j] = pb.softcap * std::tanh(si[j] * pb.scale / pb.softcap);
+      }
+      if (num_rows > 1) {  // this vector's row sees keys [row_lo(r), position + r] of the span
+        const int64_t r = row_of(i);
+        const int64_t before = std::min(n, std::max<int64_t>(0, row_lo(r) - span_start));
+        const int64_t after = std::max<int64_t>(before, std::min(n, position + r + 1 - span_start));
+        for (int64_t j = 0; j < before; ++j) si[j] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = after; j < n; ++j) si[j] = -std::numeric_limits<float>::infinity();
+        if (before == after) {  // none of this span: zero weights, nothing to update
+          for (int64_t j = 0; j < n; ++j) si[j] = 0.0f;
+          continue;
+        }
       }
       float block_max = row_max[i];
 #if defined(__AVX512F__)
@@ -785,8 +835,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
         if (fast) {
           for (int64_t h = head_begin; h < head_end; ++h) {
-            const int64_t i0 = (h - head_begin) * group;
-            block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, group, scores + i0 * sbs + offset, sbs,
+            const int64_t i0 = (h - head_begin) * qgroup;
+            block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, qgroup, scores + i0 * sbs + offset, sbs,
                                                          values + first_slot + h * pb.stride_head, pb.stride_slot, m,
                                                          pb.scale_offset);
           }
@@ -799,8 +849,8 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
           // Quantized: the row's scale rides on the softmax weight.
           float value_scale = 1.0f;
           if constexpr (quantized<T, C>()) value_scale = row_scale(values + v, pb.scale_offset);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t i = (h - head_begin) * group + g;
+          for (int64_t g = 0; g < qgroup; ++g) {
+            const int64_t i = (h - head_begin) * qgroup + g;
             const float w = scores[i * sbs + offset + j] * value_scale;
             axpy_row<C, kHeadDim>(acc + i * D, w, values + v, D);
           }
@@ -812,22 +862,49 @@ void attend_row(const Problem& pb, int64_t t, int64_t head_begin, int64_t head_e
   for (int64_t i = 0; i < heads; ++i) {
     // A row with no visible key (padding, or an empty window) gives zeros.
     const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
-    const int64_t base = (t * pb.num_q_heads + first_head + i) * D;
+    const int64_t base = ((t0 + row_of(i)) * pb.num_q_heads + query_head(i)) * D;
     for (int64_t d = 0; d < D; ++d) store(out, base + d, acc[i * D + d] * inv);
   }
 }
 
+// Rows that attend together (attend_rows): up to this many consecutive rows of one sequence, as
+// many as the fast path's kFastGroup query vectors per KV head hold (one row where the fast path
+// does not run); a padding row alone. As (first row, count) pairs.
+template <int kHeadDim>
+std::vector<std::pair<int64_t, int64_t>> row_runs(const Problem& pb) {
+  const int64_t group = pb.num_q_heads / pb.num_kv_heads;
+  int64_t max_rows = 1;
+#ifdef CE_ATTENTION_SIMD
+  if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) max_rows = std::max<int64_t>(1, kFastGroup / group);
+#endif
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  const int64_t first = std::min(read_index(pb.query_start_loc, pb.qsl64, 0), pb.num_tokens);
+  for (int64_t t = 0; t < first; ++t) runs.emplace_back(t, 1);
+  int64_t end = first;
+  for (int64_t s = 0; s < pb.num_seqs; ++s) {
+    const int64_t seq_end = std::min(read_index(pb.query_start_loc, pb.qsl64, s + 1), pb.num_tokens);
+    for (int64_t t = end; t < seq_end; t += max_rows) runs.emplace_back(t, std::min(max_rows, seq_end - t));
+    end = std::max(end, seq_end);
+  }
+  for (int64_t t = end; t < pb.num_tokens; ++t) runs.emplace_back(t, 1);
+  return runs;
+}
+
 template <typename T, typename C, int kHeadDim>
 void run(const Problem& pb, int num_threads) {
-  // Whole rows when there are enough of them to share out; with few rows (batch-1 decode) split
-  // the KV heads too, so every thread has work.
+  const std::vector<std::pair<int64_t, int64_t>> runs = row_runs<kHeadDim>(pb);
+  const int64_t num_runs = static_cast<int64_t>(runs.size());
+  int64_t max_rows = 1;
+  for (const auto& run : runs) max_rows = std::max(max_rows, run.second);
+  // Whole runs of rows when there are enough of them to share out; with few (batch-1 decode, one
+  // sequence's verification) split the KV heads too, so every thread has work.
   int64_t chunks = 1;
-  while (chunks < pb.num_kv_heads && pb.num_tokens * chunks < 2 * num_threads) chunks *= 2;
+  while (chunks < pb.num_kv_heads && num_runs * chunks < 2 * num_threads) chunks *= 2;
   chunks = std::min(chunks, pb.num_kv_heads);
   const int64_t per_chunk = (pb.num_kv_heads + chunks - 1) / chunks;
-  const int64_t items = pb.num_tokens * chunks;
+  const int64_t items = num_runs * chunks;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
-  const int64_t heads = per_chunk * group;
+  const int64_t heads = per_chunk * group * max_rows;
   // q, acc, scores, max, sum; then the int8-key query's scales, corrections and bytes (4 a value).
   const int64_t work_floats = heads * (2 * pb.head_dim + kSpan * pb.block_size + 2) + heads * (2 + pb.head_dim);
 #pragma omp parallel num_threads(num_threads)
@@ -842,7 +919,8 @@ void run(const Problem& pb, int num_threads) {
     for (int64_t item = 0; item < items; ++item) {
       const int64_t head_begin = (item % chunks) * per_chunk;
       const int64_t head_end = std::min(pb.num_kv_heads, head_begin + per_chunk);
-      if (head_begin < head_end) attend_row<T, C, kHeadDim>(pb, item / chunks, head_begin, head_end, work.data());
+      const auto& [t0, num_rows] = runs[static_cast<size_t>(item / chunks)];
+      if (head_begin < head_end) attend_rows<T, C, kHeadDim>(pb, t0, num_rows, head_begin, head_end, work.data());
     }
   }
 }

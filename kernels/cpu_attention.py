@@ -3,10 +3,12 @@
 The "cpu" attention backend's op (kernels/backends.py): same arguments, result and contract as
 `compiled_engine::paged_attention` (kernels/paged_attention.py). One call of
 kernels/cpu_attention.cpp writes this step's keys and values into the cache (as the reference
-does: padding to the scratch block), then attends: one work item per (query row, group of KV
-heads), walking the row's visible keys block by block through its block table with an online
-softmax. So it reads each cached key and value once, prefetches the blocks ahead while computing
-this one, and never reads a masked slot; causal, sliding window, soft-capping, GQA; float32,
+does: padding to the scratch block), then attends: one work item per (run of a sequence's
+consecutive rows, group of KV heads), walking the keys the run's rows see block by block through
+its block table with an online softmax. So it reads each cached key and value once per run (a
+verification step's k + 1 rows share one walk), prefetches the blocks ahead while computing this
+one, and never reads a slot outside what this step wrote and the first row's window; causal,
+sliding window, soft-capping, GQA; float32,
 bfloat16 and float16 (maths in float32). The cache holds the query's dtype, or is quantized
 (int8 or float8_e4m3fn rows with a float32 scale per token and head, kernels/kv_quant.py): the
 kernel then quantizes what it writes and dequantizes what it reads, with the torch maths'

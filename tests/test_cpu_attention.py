@@ -79,6 +79,16 @@ CASES = {
     # A row whose window is empty of everything but itself, and one head dim the kernel does not
     # specialise (the generic path).
     "window_one_d80": ([(30, 2), (3, 3)], dict(head_dim=80, block_size=16), dict(sliding_window=1)),
+    # Verification steps (k + 1 rows after a cached context), which the kernel attends in one walk
+    # over each sequence's keys (attend_rows), the later rows masked past their positions.
+    "verify_rows_d64_bs16": ([(37, 5), (130, 5), (0, 1), (61, 3)], dict(head_dim=64, block_size=16), {}),
+    # 16 rows of one walk (MHA: one query head a KV head) with a 3-key window and blocks of 2: a
+    # softmax span holds 8 keys, so the walk's later rows see none of its first span.
+    "window_past_a_span_mha_d64_bs2": (
+        [(0, 40), (30, 17)],
+        dict(num_q_heads=2, num_kv_heads=2, head_dim=64, block_size=2),
+        dict(sliding_window=3),
+    ),
 }
 
 
