@@ -20,7 +20,9 @@ round and its speed-up over none's, measured on the same prompts at the same mom
 
 The draft model is the one shipped beside the embedded model (compiled_engine/default_model_draft),
 or the folder in COMPILED_ENGINE_BENCH_DRAFT (one trained with scripts/train_default_model.py's
-draft command).
+draft command). It proposes k = 6 tokens a step, n-gram k = 4: `test_speculative_draft_k_interleaved`
+runs the draft at k = 4, 5 and 6 against none the same way as the interleaved test, which is how
+the draft's k was chosen (each proposal costs a draft step; more accepted ones save target steps).
 """
 
 from __future__ import annotations
@@ -37,20 +39,26 @@ from compiled_engine.default_model_path import default_draft_dir
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 DRAFT_DIR = os.environ.get("COMPILED_ENGINE_BENCH_DRAFT") or str(default_draft_dir())
-DRAFT = {"method": "draft_model", "model": DRAFT_DIR, "num_speculative_tokens": 4}
+DRAFT_K = 6
+DRAFT = {"method": "draft_model", "model": DRAFT_DIR, "num_speculative_tokens": DRAFT_K}
+# The draft's k sweep (test_speculative_draft_k_interleaved); DRAFT_K's engine is the fixture's.
+DRAFT_KS = (4, 5, 6)
 METHODS = ["none", "ngram", "draft_model"]
 # (prompt tokens, new tokens, rounds, batch size) per size profile; smoke runs each path once, eagerly.
 SIZES = {"full": (512, 128, 5, 64), "quick": (256, 64, 3, 32), "smoke": (64, 8, 1, 4)}
 
 
-@pytest.fixture(scope="module")
-def engines(request):
-    profile = request.config._bench_sizes.profile
-    smoke = profile == "smoke"
+def _options(profile: str) -> dict:
     _, _, _, batch = SIZES[profile]
-    options = dict(
+    smoke = profile == "smoke"
+    return dict(
         max_num_seqs=batch, compile_policy="blocking", enforce_eager=smoke, enable_prefix_caching=False
     )
+
+
+@pytest.fixture(scope="module")
+def engines(request):
+    options = _options(request.config._bench_sizes.profile)
     built = {
         "none": LLM(**options),
         "ngram": LLM(speculative_config=NGRAM, **options),
@@ -116,7 +124,9 @@ def test_speculative_batch(benchmark, request, engines, method):
     _run(benchmark, llm, prompts * rounds, new_tokens, rounds, batch)
 
 
-def test_speculative_one_request_interleaved(benchmark, request, engines):
+def _interleaved(benchmark, request, engines: dict[str, LLM], group: str) -> None:
+    """Each round one prompt through every engine in turn (the order rotating); extra_info has
+    each engine's median round and its speed-up over "none"'s."""
     prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
     methods = list(engines)
     prompts = completion_prompts(engines["none"].get_tokenizer(), rounds, prompt_tokens)
@@ -138,13 +148,33 @@ def test_speculative_one_request_interleaved(benchmark, request, engines):
             times[method].append(time.perf_counter() - started)
             assert len(outputs[0].outputs[0].token_ids) == new_tokens
 
-    benchmark.group = f"speculative decoding, 1 request x {new_tokens} tokens, interleaved"
+    benchmark.group = f"{group}, 1 request x {new_tokens} tokens, interleaved"
     benchmark.pedantic(one_round, rounds=2 * rounds, iterations=1, warmup_rounds=0)
     medians = {method: statistics.median(ts) for method, ts in times.items()}
     for method, median in medians.items():
         benchmark.extra_info[f"{method}_median_s"] = median
         benchmark.extra_info[f"{method}_speedup"] = medians["none"] / median
     print(
-        "\n1 request, interleaved: "
-        + ", ".join(f"{m} {medians['none'] / t:.2f}x" for m, t in medians.items())
+        f"\n{group}, interleaved: " + ", ".join(f"{m} {medians['none'] / t:.2f}x" for m, t in medians.items())
     )
+
+
+def test_speculative_one_request_interleaved(benchmark, request, engines):
+    _interleaved(benchmark, request, engines, "speculative decoding")
+
+
+def test_speculative_draft_k_interleaved(benchmark, request, engines):
+    options = _options(request.config._bench_sizes.profile)
+    swept = {"none": engines["none"]}
+    for k in DRAFT_KS:
+        swept[f"draft k={k}"] = (
+            engines["draft_model"]
+            if k == DRAFT_K
+            else LLM(speculative_config={**DRAFT, "num_speculative_tokens": k}, **options)
+        )
+    try:
+        _interleaved(benchmark, request, swept, "draft model's k")
+    finally:
+        for llm in swept.values():
+            if llm is not engines["none"] and llm is not engines["draft_model"]:
+                llm.close()
