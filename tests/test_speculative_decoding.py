@@ -115,6 +115,14 @@ def test_the_longest_suffix_match_wins_then_the_most_recent():
     assert _propose([5, 6, 5, 6], 4, high=2) == (5, 6)
 
 
+def test_a_match_with_a_whole_proposal_after_it_beats_a_later_one_without():
+    # Suffix [0, 0] inside a run of zeros: its latest match (positions 7-8) has one token after it,
+    # the earlier one (1-2) a whole proposal of 3.
+    tokens = [7, 0, 0, 1, 2, 3, 4, 0, 0, 0]
+    assert _propose(tokens, 3, high=2) == (1, 2, 3)
+    assert _propose(tokens, 8, high=2) == (0,)  # neither has 8 after it: the latest wins
+
+
 def test_no_proposal_below_the_minimum_or_without_a_match():
     assert _propose([1, 2, 3, 4], 3) == ()  # the last token never occurred before
     assert _propose([1, 2, 9, 2], 3, low=2, high=3) == ()  # only a 1-gram matches

@@ -2,8 +2,9 @@
 
 The request's last n tokens (its suffix n-gram, prompt_lookup_max >= n >= prompt_lookup_min) are
 looked up earlier in its prompt and outputs; the tokens that followed the match are the proposal.
-The longest n that matches wins, and among its matches the most recent one (code repeats what was
-written nearby). Pure numpy on the host, in the scheduler: no model, no device.
+The longest n that matches wins, and among its matches the most recent one with a whole proposal
+after it (code repeats what was written nearby), else the most recent one. Pure numpy on the
+host, in the scheduler: no model, no device.
 """
 
 from __future__ import annotations
@@ -40,5 +41,9 @@ class NgramProposer:
                 best = ends
         if best is None or not len(best):
             return ()
-        start = int(best[-1]) + 1  # the most recent match's next token
+        # The most recent match with max_tokens tokens after it, else the most recent one: in a
+        # run of repeats (indentation, "0, 0, 0") the latest match overlaps the suffix itself and
+        # has one token after it, where an earlier one proposes a whole run.
+        whole = best[best <= length - 1 - max_tokens]
+        start = int(whole[-1] if len(whole) else best[-1]) + 1
         return tuple(tokens[start : start + max_tokens].tolist())
