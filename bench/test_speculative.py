@@ -16,7 +16,9 @@ The per-method tests run one after the other, so a machine whose speed drifts be
 one's "none" row moved 1.3-2x between runs minutes apart) moves their ratios.
 `test_speculative_one_request_interleaved` takes the drift out: each round runs one prompt
 through every engine in turn (the order rotating), and its extra_info has each method's median
-round and its speed-up over none's, measured on the same prompts at the same moments.
+round and its speed-up over none's, measured on the same prompts at the same moments;
+`test_speculative_batch_interleaved` does the same with the 64 requests (and counts the
+speculative steps there, which should be 0).
 
 The draft model is the one shipped beside the embedded model (compiled_engine/default_model_draft),
 or the folder in COMPILED_ENGINE_BENCH_DRAFT (one trained with scripts/train_default_model.py's
@@ -124,43 +126,59 @@ def test_speculative_batch(benchmark, request, engines, method):
     _run(benchmark, llm, prompts * rounds, new_tokens, rounds, batch)
 
 
-def _interleaved(benchmark, request, engines: dict[str, LLM], group: str) -> None:
-    """Each round one prompt through every engine in turn (the order rotating); extra_info has
-    each engine's median round and its speed-up over "none"'s."""
+def _interleaved(benchmark, request, engines: dict[str, LLM], group: str, batch: int = 1) -> None:
+    """Each round the same requests through every engine in turn (the order rotating): one prompt
+    (a different one each round), or `batch` prompts at once (the same batch every round, its
+    prompts half as long, as test_speculative_batch's). extra_info has each engine's median round,
+    its speed-up over "none"'s and its speculative steps over the timed rounds."""
     prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
     methods = list(engines)
-    prompts = completion_prompts(engines["none"].get_tokenizer(), rounds, prompt_tokens)
+    tokenizer = engines["none"].get_tokenizer()
+    if batch == 1:
+        prompts = completion_prompts(tokenizer, rounds, prompt_tokens)
+        batches = [[p] for p in prompts]
+    else:
+        batches = [completion_prompts(tokenizer, batch, prompt_tokens // 2)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    # Warm-up: every prompt alone, as timed (with proposals), so each bucket its steps use is built.
+    # Warm-up: every batch as timed (with proposals), so each bucket its steps use is built.
     for llm in engines.values():
-        for p in prompts:
-            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        for prompts in batches:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    before = {method: llm.stats().num_spec_steps for method, llm in engines.items()}
     times: dict[str, list[float]] = {method: [] for method in methods}
     round_index = iter(range(2 * rounds))
 
     def one_round() -> None:
         index = next(round_index)
-        prompt = [{"prompt_token_ids": prompts[index % rounds]}]
+        inputs = [{"prompt_token_ids": p} for p in batches[index % len(batches)]]
         shift = index % len(methods)
         for method in methods[shift:] + methods[:shift]:
             started = time.perf_counter()
-            outputs = engines[method].generate(prompt, params, use_tqdm=False)
+            outputs = engines[method].generate(inputs, params, use_tqdm=False)
             times[method].append(time.perf_counter() - started)
-            assert len(outputs[0].outputs[0].token_ids) == new_tokens
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [new_tokens] * len(inputs)
 
-    benchmark.group = f"{group}, 1 request x {new_tokens} tokens, interleaved"
+    benchmark.group = f"{group}, {batch} request{'s' if batch > 1 else ''} x {new_tokens} tokens, interleaved"
     benchmark.pedantic(one_round, rounds=2 * rounds, iterations=1, warmup_rounds=0)
     medians = {method: statistics.median(ts) for method, ts in times.items()}
     for method, median in medians.items():
         benchmark.extra_info[f"{method}_median_s"] = median
         benchmark.extra_info[f"{method}_speedup"] = medians["none"] / median
+        benchmark.extra_info[f"{method}_spec_steps"] = engines[method].stats().num_spec_steps - before[method]
     print(
-        f"\n{group}, interleaved: " + ", ".join(f"{m} {medians['none'] / t:.2f}x" for m, t in medians.items())
+        f"\n{group}, {batch} x {new_tokens}, interleaved: "
+        + ", ".join(f"{m} {medians['none'] / t:.2f}x" for m, t in medians.items())
     )
 
 
 def test_speculative_one_request_interleaved(benchmark, request, engines):
     _interleaved(benchmark, request, engines, "speculative decoding")
+
+
+def test_speculative_batch_interleaved(benchmark, request, engines):
+    """The batch: speculation should be off (the cut-off), so the engines should take the same time."""
+    _, _, _, batch = SIZES[request.config._bench_sizes.profile]
+    _interleaved(benchmark, request, engines, "speculative decoding", batch=batch)
 
 
 def test_speculative_draft_k_interleaved(benchmark, request, engines):

@@ -77,8 +77,9 @@ def test_process_bench_suites_run_at_smoke_sizes(tmp_path):
     # policy; the step timeline, sync and async loop (ours only); the serving suite's burst and
     # steady loads on our eager server (its fresh-cache and vLLM rows skip); structured outputs,
     # none and half JSON; speculative decoding, none, ngram and the shipped draft at 1 request and
-    # at a batch, the three interleaved at 1 request, and the draft's k sweep interleaved.
-    assert "19 passed" in stdout, stdout[-2000:]
+    # at a batch, the three interleaved at 1 request and at the batch, and the draft's k sweep
+    # interleaved.
+    assert "20 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow
