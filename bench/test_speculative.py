@@ -130,7 +130,8 @@ def _interleaved(benchmark, request, engines: dict[str, LLM], group: str, batch:
     """Each round the same requests through every engine in turn (the order rotating): one prompt
     (a different one each round), or `batch` prompts at once (the same batch every round, its
     prompts half as long, as test_speculative_batch's). extra_info has each engine's median round,
-    its speed-up over "none"'s and its speculative steps over the timed rounds."""
+    its speed-up over "none"'s (medians; and over all rounds' tokens, total time against total
+    time; and at 1 request per prompt) and its speculative steps over the timed rounds."""
     prompt_tokens, new_tokens, rounds, _ = SIZES[request.config._bench_sizes.profile]
     methods = list(engines)
     tokenizer = engines["none"].get_tokenizer()
@@ -146,6 +147,8 @@ def _interleaved(benchmark, request, engines: dict[str, LLM], group: str, batch:
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     before = {method: llm.stats().num_spec_steps for method, llm in engines.items()}
     times: dict[str, list[float]] = {method: [] for method in methods}
+    # Per batch of requests (per prompt at 1 request): each engine's times on it.
+    per_batch: list[dict[str, list[float]]] = [{method: [] for method in methods} for _ in batches]
     round_index = iter(range(2 * rounds))
 
     def one_round() -> None:
@@ -156,6 +159,7 @@ def _interleaved(benchmark, request, engines: dict[str, LLM], group: str, batch:
             started = time.perf_counter()
             outputs = engines[method].generate(inputs, params, use_tqdm=False)
             times[method].append(time.perf_counter() - started)
+            per_batch[index % len(batches)][method].append(times[method][-1])
             assert [len(o.outputs[0].token_ids) for o in outputs] == [new_tokens] * len(inputs)
 
     benchmark.group = f"{group}, {batch} request{'s' if batch > 1 else ''} x {new_tokens} tokens, interleaved"
@@ -165,6 +169,12 @@ def _interleaved(benchmark, request, engines: dict[str, LLM], group: str, batch:
         benchmark.extra_info[f"{method}_median_s"] = median
         benchmark.extra_info[f"{method}_speedup"] = medians["none"] / median
         benchmark.extra_info[f"{method}_spec_steps"] = engines[method].stats().num_spec_steps - before[method]
+        # Over all the rounds' tokens: total time against total time.
+        benchmark.extra_info[f"{method}_speedup_total"] = sum(times["none"]) / sum(times[method])
+        if len(batches) > 1:  # how far the gain varies from prompt to prompt
+            benchmark.extra_info[f"{method}_speedup_per_prompt"] = [
+                statistics.median(b["none"]) / statistics.median(b[method]) for b in per_batch
+            ]
     print(
         f"\n{group}, {batch} x {new_tokens}, interleaved: "
         + ", ".join(f"{m} {medians['none'] / t:.2f}x" for m, t in medians.items())
