@@ -11,7 +11,9 @@ back), median of `--rounds` rounds of `--calls` calls, for each implementation a
 `compiled`, the torch function under Inductor. `--max-len` is the slot's length: the engine's is
 max_model_len + k (the default model's max_model_len is 1024). It also times the draft's
 prefill of a `--prefill-tokens` prompt (the decoder's eager torch forward, which both
-implementations share: what a request's first proposal costs on top). With `--profile` it prints
+implementations share: what a request's first proposal costs on top), in the dtype the engine's
+decoder picks for this CPU (bfloat16 for a bfloat16 draft where the CPU has AVX-512 BF16) and,
+interleaved with it, in float32 (what it ran in before). With `--profile` it prints
 torch.profiler's table of the ops one call runs. Compare with a plain decode step of the target
 (bench/speculative.py's "none" column: 1 / tokens per second) to see what k proposals cost in
 target steps.
@@ -51,22 +53,39 @@ def main() -> None:
         native = implementation == "native"
         decoder = DraftDecoder(loaded.model, 1, args.max_len, args.k, device, compiled=True, native=native)
         _time(decoder, implementation, args)
-    _time_prefill(decoder, args)
+    _time_prefill(loaded.model, decoder, args)
 
 
-def _time_prefill(decoder: DraftDecoder, args: argparse.Namespace) -> None:
+def _time_prefill(model, decoder: DraftDecoder, args: argparse.Namespace) -> None:
+    """The prefill as the engine's decoder runs it (`decoder.prefill_dtype`, chosen for this CPU)
+    and, when that is not float32, in float32 too, calls interleaved."""
+    decoders = {str(decoder.prefill_dtype).removeprefix("torch."): decoder}
+    if decoder.prefill_dtype != torch.float32:
+        decoders["float32"] = DraftDecoder(
+            model,
+            1,
+            args.max_len,
+            args.k,
+            decoder.device,
+            compiled=False,
+            native=False,
+            prefill_dtype=torch.float32,
+        )
     tokens = torch.arange(args.prefill_tokens) % decoder.vocab_size
-    for _ in range(3):
-        decoder.prefill(0, tokens, 0)
-    per_call = []
+    for each in decoders.values():
+        for _ in range(3):
+            each.prefill(0, tokens, 0)
+    per_call: dict[str, list[float]] = {name: [] for name in decoders}
     for _ in range(args.rounds * 4):
-        started = time.perf_counter()
-        decoder.prefill(0, tokens, 0)
-        per_call.append(time.perf_counter() - started)
-    print(
-        f"prefill of {args.prefill_tokens} tokens: {statistics.median(per_call) * 1e3:.2f} ms "
-        f"(median of {len(per_call)}; min {min(per_call) * 1e3:.2f})"
-    )
+        for name, each in decoders.items():
+            started = time.perf_counter()
+            each.prefill(0, tokens, 0)
+            per_call[name].append(time.perf_counter() - started)
+    for name, times in per_call.items():
+        print(
+            f"prefill of {args.prefill_tokens} tokens in {name}: {statistics.median(times) * 1e3:.2f} ms "
+            f"(median of {len(times)}; min {min(times) * 1e3:.2f})"
+        )
 
 
 def _time(decoder: DraftDecoder, implementation: str, args: argparse.Namespace) -> None:

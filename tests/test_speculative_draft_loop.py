@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.kernels import cpu_draft_decoder
+from compiled_engine.kernels import cpu_draft_decoder, cpu_gemv
 from compiled_engine.records.draft_proposer import DraftSampling
 from compiled_engine.worker.draft_decoder import DraftDecoder, supports
 from compiled_engine.worker.draft_loop_proposer import DraftLoopProposer
@@ -112,6 +112,33 @@ def test_seeded_draws_repeat_and_differ_between_seeds(tiny, native):
 def test_asking_for_more_proposals_than_k_is_an_error(tiny, native):
     with pytest.raises(ValueError, match="asked for 5 proposals; the draft makes 1 to 4"):
         _proposer(tiny, native).propose("a", np.array([1, 2], dtype=np.int64), (), 5, DraftSampling())
+
+
+def test_a_bfloat16_prefill_writes_the_float32_ones_kv_to_bfloat16_precision(tiny):
+    """A bfloat16 draft prefills in bfloat16 where the CPU multiplies it natively: the k/v it
+    writes (a first chunk's, under SDPA's causal mode, and a catch-up chunk's, which attends over
+    the cache) are the float32 prefill's, to bfloat16's precision."""
+    model = AutoModelForCausalLM.from_config(tiny.config, dtype=torch.bfloat16).eval()
+    model.load_state_dict({name: t.to(torch.bfloat16) for name, t in tiny.state_dict().items()})
+    native_bf16 = cpu_gemv.best_isa() >= cpu_gemv.ISA_AVX512_BF16
+    assert DraftDecoder(model, 1, 64, K, CPU, compiled=False, native=False).prefill_dtype == (
+        torch.bfloat16 if native_bf16 else torch.float32
+    )
+    assert DraftDecoder(tiny, 1, 64, K, CPU, compiled=False, native=False).prefill_dtype == torch.float32
+    decoders = {
+        dtype: DraftDecoder(model, 1, 64, K, CPU, compiled=False, native=False, prefill_dtype=dtype)
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    tokens = torch.tensor([1, 17, 42, 99, 5, 61, 23, 7, 88, 14, 3])
+    for decoder in decoders.values():
+        decoder.prefill(0, tokens[:7], 0)
+        decoder.prefill(0, tokens[7:], 7)
+    low, full = decoders[torch.bfloat16], decoders[torch.float32]
+    for got, want in ((low.k_cache, full.k_cache), (low.v_cache, full.v_cache)):
+        assert got.dtype == torch.float32 and bool(want[:, 0, :11].abs().amax() > 0.1)
+        scale = float(want[:, 0, :11].abs().amax())
+        torch.testing.assert_close(got[:, 0, :11], want[:, 0, :11], atol=0.04 * scale, rtol=0.05)
+        assert not got[:, 0, 11:].any()  # nothing past the chunks
 
 
 @pytest.mark.slow  # one Inductor compile (tens of seconds here)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from compiled_engine.kernels import cpu_draft_decoder
+from compiled_engine.kernels import cpu_draft_decoder, cpu_gemv
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -60,6 +60,15 @@ class _Layer(NamedTuple):
     down: torch.Tensor
 
 
+class _PrefillWeights(NamedTuple):
+    """What a prefill's forward reads besides the caches, in the dtype it computes in."""
+
+    embed: torch.Tensor
+    layers: list[_Layer]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class DraftDecoder:
     def __init__(
         self,
@@ -70,9 +79,12 @@ class DraftDecoder:
         device: torch.device,
         compiled: bool,
         native: bool | None = None,
+        prefill_dtype: torch.dtype | None = None,
     ) -> None:
         """`native`: propose with the C++ loop (True), the torch function (False), or the C++
-        loop wherever it runs (None: a CPU device and a library that builds)."""
+        loop wherever it runs (None: a CPU device and a library that builds). `prefill_dtype`:
+        what `prefill` computes in; None: bfloat16 for a bfloat16 draft on a CPU that multiplies
+        it natively (AVX-512 BF16), else the decoder's own dtype."""
         config = model.config
         # float32 on the CPU (this machine has no fast bfloat16 matmul, and the draft is small);
         # the model's dtype on accelerators.
@@ -119,11 +131,25 @@ class DraftDecoder:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self._greedy_noise = torch.ones(1, num_proposals, self.embed.shape[0], device=device)
+        model_dtype = next(model.parameters()).dtype
+        if prefill_dtype is None:
+            # A bfloat16 draft's prefill (a whole prompt: its rows' matmuls and attention) in
+            # bfloat16 where the CPU multiplies it natively (bench/draft_propose.py times both;
+            # docs/speculative_decoding.md). Its k/v land in the caches the one-token steps
+            # read, in their dtype; the proposals' maths is unchanged.
+            native_bf16 = device.type == "cpu" and cpu_gemv.best_isa() >= cpu_gemv.ISA_AVX512_BF16
+            prefill_dtype = torch.bfloat16 if model_dtype == torch.bfloat16 and native_bf16 else dtype
+        self.prefill_dtype = prefill_dtype
+        self._prefill_weights = _PrefillWeights(
+            self.embed.to(prefill_dtype),
+            [_Layer._make(t if t is None else t.to(prefill_dtype) for t in layer) for layer in self.layers],
+            self.cos.to(prefill_dtype),
+            self.sin.to(prefill_dtype),
+        )
         if native is None:
             native = device.type == "cpu" and cpu_draft_decoder.available()
         # The C++ loop reads the matrices in bfloat16 when the model is in it: the float32 copies
         # above hold exactly its values, in twice the bytes.
-        model_dtype = next(model.parameters()).dtype
         self.native = (
             self._native_model(model_dtype if model_dtype == torch.bfloat16 else torch.float32)
             if native
@@ -180,8 +206,17 @@ class DraftDecoder:
         tokens = token_ids.to(self.device)[None]
         positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
         slots = torch.tensor([slot], device=self.device)
-        # Eager: attend over the positions up to the chunk's last only, not the whole slot.
-        self._forward(tokens, positions, slots, self.k_cache, self.v_cache, start + len(token_ids))
+        # Eager: attend over the positions up to the chunk's last only, not the whole slot. No
+        # logits: the proposal call feeds the last tokens again.
+        self._layers(
+            tokens,
+            positions,
+            slots,
+            self.k_cache,
+            self.v_cache,
+            self._prefill_weights,
+            start + len(token_ids),
+        )
 
     @torch.inference_mode()
     def propose(
@@ -257,27 +292,43 @@ class DraftDecoder:
         slots: torch.Tensor,  # [B]
         k_cache: torch.Tensor,  # [layers, slots, max_len, kv heads, head_dim]
         v_cache: torch.Tensor,
-        num_keys: int | None = None,
     ) -> torch.Tensor:
         """The draft's forward over T new tokens per row, writing their k/v; the last position's
-        logits [B, vocab]. Attention reads a slot's first `num_keys` positions (all of it when
-        None: the compiled call's fixed shape); none of them may be past it."""
+        logits [B, vocab]. Attention reads all of each slot (the compiled call's fixed shape)."""
+        weights = _PrefillWeights(self.embed, self.layers, self.cos, self.sin)
+        x = self._layers(tokens, positions, slots, k_cache, v_cache, weights)
+        last = _rms_norm(x[:, -1], self.norm, self.eps)
+        return F.linear(last, self.lm_head)
+
+    def _layers(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        slots: torch.Tensor,  # [B]
+        k_cache: torch.Tensor,  # [layers, slots, max_len, kv heads, head_dim]
+        v_cache: torch.Tensor,
+        weights: _PrefillWeights,
+        num_keys: int | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers over T new tokens per row, in `weights`' dtype, writing their k/v
+        into the caches (in theirs); the hidden states [B, T, hidden]. Attention reads a slot's
+        first `num_keys` positions (all of it when None); none of them may be past it."""
         b, t = tokens.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.embedding(tokens, self.embed)  # [B, T, H]
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, hd]
+        x = F.embedding(tokens, weights.embed)  # [B, T, H]
+        cos, sin = weights.cos[positions][:, :, None], weights.sin[positions][:, :, None]  # [B, T, 1, hd]
         rows = slots[:, None].expand(b, t)
         # Key j is visible to the query at position p when j <= p (the row's own earlier tokens).
         num_keys = num_keys or self.max_len
         # A chunk from position 0 (a new prompt's prefill) sees exactly its own earlier tokens:
-        # SDPA's causal mode, which skips the masked half, instead of a mask it must read (on the
-        # CPU over twice as slow for a 512-token prompt).
+        # its own k/v through SDPA's causal mode, which skips the masked half, instead of the
+        # cache's copy under a mask it must read for every score.
         causal = num_keys == t
         mask = None
         if not causal:
             visible = torch.arange(num_keys, device=tokens.device) <= positions[:, :, None]  # [B, T, M]
             mask = visible[:, None]  # [B, 1, T, M]
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(weights.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -285,10 +336,13 @@ class DraftDecoder:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            k_cache[index].index_put_((rows, positions), k)
-            v_cache[index].index_put_((rows, positions), v)
-            keys = k_cache[index][slots, :num_keys].transpose(1, 2)  # [B, nkv, M, hd]
-            values = v_cache[index][slots, :num_keys].transpose(1, 2)  # [B, nkv, M, hd]
+            k_cache[index].index_put_((rows, positions), k.to(k_cache.dtype))
+            v_cache[index].index_put_((rows, positions), v.to(v_cache.dtype))
+            if causal:
+                keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, T, hd]
+            else:
+                keys = k_cache[index][slots, :num_keys].transpose(1, 2).to(q.dtype)  # [B, nkv, M, hd]
+                values = v_cache[index][slots, :num_keys].transpose(1, 2).to(q.dtype)
             # GQA: query head h reads kv head h // (nh // nkv).
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
@@ -298,8 +352,7 @@ class DraftDecoder:
             h = _rms_norm(x, layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
-        last = _rms_norm(x[:, -1], self.norm, self.eps)
-        return F.linear(last, self.lm_head)
+        return x
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
