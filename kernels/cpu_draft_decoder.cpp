@@ -78,6 +78,71 @@ inline float widen(uint16_t v) {  // bfloat16 bits to float32: exact
 // 16 float32 lanes (GCC vector extensions: one AVX-512 register, two AVX2 ones, or loops).
 typedef float F16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 in 16 lanes: std::exp does not vectorise without -ffast-math, and the
+// attention's softmax and the MLP's SiLU ran it once per score and per unit, on one thread while
+// the other waited at the next barrier. x = n ln2 + f (n = floor(x / ln2 + 1/2), ln2 split in two
+// for precision), e^f by its degree-6 Taylor polynomial (|f| <= ln2 / 2: relative error ~1e-7),
+// 2^n built in the exponent bits; 0 below -87, -inf included.
+inline F16 exp_nonpositive(F16 x) {
+  F16 y = x * 1.44269504088896341f + 0.5f;
+  y = y < -127.f ? F16{} - 127.f : y;  // the exponent's floor; also keeps -inf out of the int cast
+  const I32x16 t = __builtin_convertvector(y, I32x16);  // toward zero
+  const I32x16 n = t + (__builtin_convertvector(t, F16) > y);  // floor: one less where it rounded up
+  const F16 nf = __builtin_convertvector(n, F16);
+  const F16 f = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  F16 p = F16{} + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const U32x16 bits = __builtin_convertvector(n + 127, U32x16) << 23;
+  F16 scale;
+  std::memcpy(&scale, &bits, 64);
+  const F16 e = p * scale;
+  return x < -87.f ? F16{} : e;
+}
+
+// s[j] = exp(s[j] - top) for j < n (every s[j] <= top); returns their sum.
+float exp_shifted(float* s, int64_t n, float top) {
+  F16 sum = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    F16 v;
+    std::memcpy(&v, s + j, 64);
+    v = exp_nonpositive(v - top);
+    std::memcpy(s + j, &v, 64);
+    sum += v;
+  }
+  if (j < n) {  // the tail through a padded register: lanes past n hold -inf, so exp gives 0
+    F16 v = F16{} - INFINITY;
+    std::memcpy(&v, s + j, (n - j) * sizeof(float));
+    v = exp_nonpositive(v - top);
+    std::memcpy(s + j, &v, (n - j) * sizeof(float));
+    sum += v;
+  }
+  float total = 0.f;
+  for (int i = 0; i < 16; ++i) total += sum[i];
+  return total;
+}
+
+// gate[i] = silu(gate[i]) * up[i] for i < n, silu(g) = g * sigmoid(g), sigmoid(g) from
+// e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+void silu_mul(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t m = n - i < 16 ? n - i : 16;
+    F16 g = {}, u = {};
+    std::memcpy(&g, gate + i, m * sizeof(float));
+    std::memcpy(&u, up + i, m * sizeof(float));
+    const F16 e = exp_nonpositive(g < 0.f ? g : -g);
+    const F16 sigmoid = (g < 0.f ? e : F16{} + 1.f) / (1.f + e);
+    const F16 out = g * sigmoid * u;
+    std::memcpy(gate + i, &out, m * sizeof(float));
+  }
+}
 
 // The 64 weights of one input for a block of 64 outputs, as four vectors of outputs 0-15, 16-31,
 // 32-47, 48-63. float32: stored in that order. bfloat16: each 32-bit word holds the pair
@@ -182,6 +247,53 @@ struct Scratch {  // shared by the team
         scores(m.num_heads * m.max_len) {}
 };
 
+// Sum of a vector's 16 lanes: halves added four times (a scalar chain of 16 adds was most of
+// a score's cost).
+inline float lane_sum(F16 v) {
+  typedef int32_t Mask __attribute__((vector_size(64)));
+  v += __builtin_shuffle(v, Mask{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, Mask{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, Mask{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, Mask{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// attend() for a head dim of kChunks x 16: the query and the output's accumulators in vector
+// registers. (With the output in memory each position's update waited on the previous one's
+// store: that chain was most of the attention's time.)
+template <int kChunks>
+void attend_vectors(const float* qh, const float* keys, const float* values, float* scores, float* o,
+                    int64_t stride, float scale, int64_t position) {
+  F16 qv[kChunks], acc[kChunks];
+  for (int c = 0; c < kChunks; ++c) {
+    std::memcpy(&qv[c], qh + 16 * c, 64);
+    acc[c] = F16{};
+  }
+  float top = -INFINITY;
+  for (int64_t j = 0; j <= position; ++j) {
+    const float* kj = keys + j * stride;
+    F16 dot = {};
+    for (int c = 0; c < kChunks; ++c) {
+      F16 k;
+      std::memcpy(&k, kj + 16 * c, 64);
+      dot += qv[c] * k;
+    }
+    scores[j] = lane_sum(dot) * scale;
+    top = scores[j] > top ? scores[j] : top;
+  }
+  const float inverse = 1.f / exp_shifted(scores, position + 1, top);
+  for (int64_t j = 0; j <= position; ++j) {
+    const float* vj = values + j * stride;
+    const float p = scores[j] * inverse;
+    for (int c = 0; c < kChunks; ++c) {
+      F16 v;
+      std::memcpy(&v, vj + 16 * c, 64);
+      acc[c] += v * p;
+    }
+  }
+  for (int c = 0; c < kChunks; ++c) std::memcpy(o + 16 * c, &acc[c], 64);
+}
+
 // Causal attention of query head `hq` over positions 0..position of the slot's keys and values
 // ([position][kv head][head_dim]); it reads kv head hq / group. `scores`: room for position + 1.
 void attend(const float* q, const float* keys, const float* values, float* scores, float* out, int64_t hq,
@@ -189,24 +301,28 @@ void attend(const float* q, const float* keys, const float* values, float* score
   const int64_t D = head_dim, hk = hq / group;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float* qh = q + hq * D;
+  float* o = out + hq * D;
+  keys += hk * D;
+  values += hk * D;
+  const int64_t stride = num_kv_heads * D;
+  switch (D) {
+    case 64: return attend_vectors<4>(qh, keys, values, scores, o, stride, scale, position);
+    case 128: return attend_vectors<8>(qh, keys, values, scores, o, stride, scale, position);
+    default: break;
+  }
   float top = -INFINITY;
   for (int64_t j = 0; j <= position; ++j) {
-    const float* kj = keys + (j * num_kv_heads + hk) * D;
+    const float* kj = keys + j * stride;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += qh[d] * kj[d];
     scores[j] = dot * scale;
     top = scores[j] > top ? scores[j] : top;
   }
-  float total = 0.f;
-  for (int64_t j = 0; j <= position; ++j) {
-    scores[j] = std::exp(scores[j] - top);
-    total += scores[j];
-  }
-  float* o = out + hq * D;
+  const float total = exp_shifted(scores, position + 1, top);
   for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
   for (int64_t j = 0; j <= position; ++j) {
-    const float* vj = values + (j * num_kv_heads + hk) * D;
+    const float* vj = values + j * stride;
     const float p = scores[j] / total;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
@@ -274,7 +390,7 @@ void forward_token(const CeDraftModel& m, Scratch& s, int64_t slot, int64_t toke
 #pragma omp single
     {
       const float* up = gate + m.ffn;
-      for (int64_t i = 0; i < m.ffn; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      silu_mul(gate, up, m.ffn);
     }
     gemv<W>(layer.down, gate, nullptr, h, H, m.ffn);
 #pragma omp single
@@ -300,10 +416,14 @@ void softmax(const float* logits, float* q, int64_t n, float temperature) {
 }
 
 int64_t argmax(const float* values, int64_t n) {  // the first of equal maxima, as torch's
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (values[i] > values[best]) best = i;
-  return best;
+  // The maximum in vector lanes, then its first position: a compare-and-branch per element ran
+  // on one thread while the other waited.
+  float top = values[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 1; i < n; ++i) top = values[i] > top ? values[i] : top;
+  for (int64_t i = 0; i < n; ++i)
+    if (values[i] == top) return i;
+  return 0;  // NaN only
 }
 
 }  // namespace

@@ -78,6 +78,30 @@ def test_sampled_proposals_and_q_match_the_torch_function(tiny):
     assert torch.allclose(got_q.sum(-1), torch.ones(K), atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_dims_of_16s_match_the_torch_function(tmp_path, head_dim):
+    """Head dims of whole 16-lane vectors take the kernel's register-resident attention (the
+    others, as `tiny`'s 10, its plain loops): greedy proposals, sampled ones and q, over more
+    than one vector's worth of positions."""
+    folder = make_tiny_model(
+        tmp_path, "llama", with_tokenizer=False, init_std=0.3, hidden_size=64, num_heads=2,
+        num_kv_heads=1, head_dim=head_dim, intermediate_size=72, vocab_size=301,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    native, reference = _pair(model)
+    prompt = torch.tensor([5, 9, 200, 31, 77, 3, 18, 250, 6, 41, 12, 90])
+    for decoder in (native, reference):
+        decoder.prefill(1, prompt, 11)  # positions 0-22 written, so 24+ are attended below
+    got, _ = native.propose(1, (3, 64), 24, 0.0, None)
+    want, _ = reference.propose(1, (3, 64), 24, 0.0, None)
+    assert got == want
+    noise = _noise(model)
+    got, got_q = native.propose(1, (3, 64), 24, 0.7, noise)
+    want, want_q = reference.propose(1, (3, 64), 24, 0.7, noise)
+    assert got == want and got_q is not None and want_q is not None
+    assert torch.allclose(got_q, want_q, atol=1e-5)
+
+
 def test_a_one_token_sequence(tiny):
     native, reference = _pair(tiny)
     assert native.propose(0, (9, 9), 0, 0.0, None) == reference.propose(0, (9, 9), 0, 0.0, None)
