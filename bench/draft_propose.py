@@ -1,10 +1,10 @@
 """What one draft-model proposal call costs on its own (worker/draft_decoder.py `propose`).
 
-    python -m bench.draft_propose DRAFT_DIR [--k 4] [--max-len 1028] [--calls 200]
+    python -m bench.draft_propose DRAFT_DIR [--k 4] [--max-len 1028] [--context 200] [--calls 200]
                                             [--implementation native compiled]
 
 Loads the draft as the engine does for a target in `--dtype` (default bfloat16, the embedded
-model's), builds its proposal call, prefills a 200-token context into one slot and times
+model's), builds its proposal call, prefills a `--context`-token context into one slot and times
 `propose` (the call that feeds two tokens and makes k greedy proposals, with the proposals read
 back), median of `--rounds` rounds of `--calls` calls, for each implementation asked for:
 `native`, the C++ loop the engine uses on the CPU (kernels/cpu_draft_decoder.cpp), and
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-len", type=int, default=1028)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--context", type=int, default=200, help="tokens in the slot before the call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -89,7 +90,7 @@ def _time_prefill(model, decoder: DraftDecoder, args: argparse.Namespace) -> Non
 
 
 def _time(decoder: DraftDecoder, implementation: str, args: argparse.Namespace) -> None:
-    context = 200
+    context = args.context
     vocab = decoder.vocab_size
     decoder.prefill(0, torch.arange(context) % vocab, 0)
     last_two = (5 % vocab, 6 % vocab)
