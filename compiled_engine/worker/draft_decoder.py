@@ -60,8 +60,9 @@ class _Layer(NamedTuple):
     down: torch.Tensor
 
 
-class _PrefillWeights(NamedTuple):
-    """What a prefill's forward reads besides the caches, in the dtype it computes in."""
+class _LayerWeights(NamedTuple):
+    """What the decoder layers read besides the caches, in the dtype they compute in (the
+    decoder's own for its forward; `prefill_dtype` for a prefill)."""
 
     embed: torch.Tensor
     layers: list[_Layer]
@@ -140,7 +141,7 @@ class DraftDecoder:
             native_bf16 = device.type == "cpu" and cpu_gemv.best_isa() >= cpu_gemv.ISA_AVX512_BF16
             prefill_dtype = torch.bfloat16 if model_dtype == torch.bfloat16 and native_bf16 else dtype
         self.prefill_dtype = prefill_dtype
-        self._prefill_weights = _PrefillWeights(
+        self._prefill_weights = _LayerWeights(
             self.embed.to(prefill_dtype),
             [_Layer._make(t if t is None else t.to(prefill_dtype) for t in layer) for layer in self.layers],
             self.cos.to(prefill_dtype),
@@ -295,7 +296,7 @@ class DraftDecoder:
     ) -> torch.Tensor:
         """The draft's forward over T new tokens per row, writing their k/v; the last position's
         logits [B, vocab]. Attention reads all of each slot (the compiled call's fixed shape)."""
-        weights = _PrefillWeights(self.embed, self.layers, self.cos, self.sin)
+        weights = _LayerWeights(self.embed, self.layers, self.cos, self.sin)
         x = self._layers(tokens, positions, slots, k_cache, v_cache, weights)
         last = _rms_norm(x[:, -1], self.norm, self.eps)
         return F.linear(last, self.lm_head)
@@ -307,7 +308,7 @@ class DraftDecoder:
         slots: torch.Tensor,  # [B]
         k_cache: torch.Tensor,  # [layers, slots, max_len, kv heads, head_dim]
         v_cache: torch.Tensor,
-        weights: _PrefillWeights,
+        weights: _LayerWeights,
         num_keys: int | None = None,
     ) -> torch.Tensor:
         """The decoder layers over T new tokens per row, in `weights`' dtype, writing their k/v
