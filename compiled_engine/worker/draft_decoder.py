@@ -6,7 +6,8 @@ costs nearly a target step when the target is small and its step overhead-bound 
 model on a CPU). So the draft runs here instead, as plain tensor math on its weights:
 
 - a contiguous KV buffer of its own, one row ("slot") per request, `max_len` positions long;
-- `prefill`: an eager forward over a catch-up chunk (the prompt, the first time), writing k/v;
+- `prefill`: an eager forward over a catch-up chunk (the prompt, the first time), writing k/v
+  (in bfloat16 for a bfloat16 draft where the CPU multiplies it natively);
 - `propose`: ONE call that feeds a request's last two tokens and then runs k one-token steps
   back to back, choosing each proposal inside it: the argmax (greedy) or a draw from
   q = softmax(logits / temperature) by the exponential race (argmax of q / E with E ~ Exp(1), the
@@ -87,8 +88,9 @@ class DraftDecoder:
         what `prefill` computes in; None: bfloat16 for a bfloat16 draft on a CPU that multiplies
         it natively (AVX-512 BF16), else the decoder's own dtype."""
         config = model.config
-        # float32 on the CPU (this machine has no fast bfloat16 matmul, and the draft is small);
-        # the model's dtype on accelerators.
+        # float32 on the CPU (the draft is small; its one-token steps are float32 loops in the
+        # C++ call, and only a prefill's matmuls gain from bfloat16, below); the model's dtype on
+        # accelerators.
         dtype = torch.float32 if device.type == "cpu" else next(model.parameters()).dtype
         self.device, self.dtype = device, dtype
         self.num_heads = config.num_attention_heads
