@@ -2,7 +2,8 @@
 
 The library lives in Inductor's cache dir (the engine points that into its compile cache, see
 graphs/compile_cache.py), next to the C++ Inductor builds for the same graphs, under a name keyed
-by everything that shapes the binary: the source, the compiler and its version, the flags and
+by everything that shapes the binary: the source (and the headers of its folder it includes), the
+compiler and its version, the flags and
 the CPU (flags are `-march=native`, so a cache copied to another machine must not reuse it). A
 first build takes ~1-2 s; later processes only load it. The write is atomic (build to a temporary
 name in the same folder, then rename), so concurrent first uses are safe.
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -70,6 +72,20 @@ def library_key(source: bytes, compiler_path: str, extra_flags: Sequence[str] = 
     return digest.hexdigest()[:20]
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"/]+)"', re.MULTILINE)
+
+
+def local_headers(source_file: Path) -> list[Path]:
+    """The headers of `source_file`'s own folder it includes (`#include "name.h"`)."""
+    return [source_file.with_name(name.decode()) for name in _LOCAL_INCLUDE.findall(source_file.read_bytes())]
+
+
+def source_with_headers(source_file: Path) -> bytes:
+    """What a library built from `source_file` is made of: its text and its local headers', so a
+    change to a shared header keys a new build."""
+    return b"\0".join(path.read_bytes() for path in (source_file, *local_headers(source_file)))
+
+
 def default_build_dir() -> Path:
     # The variable when set (the engine sets it to its compile cache): resolving Inductor's
     # default imports much of Inductor.
@@ -92,7 +108,7 @@ def build(directory: Path | None = None, source_file: Path = SOURCE, extra_flags
         raise CpuKernelBuildError(
             f"no C++ compiler: set ${COMPILER_ENV} or install g++ (needed for {source_file.name})"
         )
-    source = source_file.read_bytes()
+    source = source_with_headers(source_file)
     directory = directory or default_build_dir()
     target = directory / f"{source_file.stem}-{library_key(source, cxx, extra_flags)}.so"
     if target.exists():

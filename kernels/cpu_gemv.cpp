@@ -30,8 +30,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "cpu_amx.h"  // TileConfig, amx_permitted
 #define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define CE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
 #define CE_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -403,23 +403,8 @@ constexpr int64_t kTileRows = 16;  // rows of an A tile
 // linears); at 4 the tiles won on each (bench/test_gemv_rows.py).
 constexpr int64_t kMinTileRows = 4;
 
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the AMX register state only on request, once per process.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
+using ce_amx::amx_permitted;
+using ce_amx::TileConfig;
 
 // finish_block for the tile path (bf16 outputs), 16 outputs a vector: the scalar one, at a few
 // nanoseconds an output, cost more than the tiles' multiply-adds at 16 rows.

@@ -34,9 +34,13 @@ from compiled_engine.kernels.source_version import files_version, module_file
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 # Goes into compile-cache keys and the GEMV policy's version: the op's Python side, its build
-# and the C++ source.
+# and the C++ source with the headers it includes.
 CPU_GEMV_VERSION = files_version(
-    module_file(__name__), module_file(cpu_attention_build.__name__), SOURCE, SOURCE.with_name("cpu_ops.cpp")
+    module_file(__name__),
+    module_file(cpu_attention_build.__name__),
+    SOURCE,
+    *cpu_attention_build.local_headers(SOURCE),
+    SOURCE.with_name("cpu_ops.cpp"),
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

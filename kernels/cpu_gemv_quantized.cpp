@@ -33,8 +33,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "cpu_amx.h"  // TileConfig, amx_permitted
 #define CE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define CE_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
@@ -841,23 +841,8 @@ constexpr int64_t kTileK = 32;     // bf16 input features per tile step
 constexpr int64_t kTileRows = 16;  // rows per A tile
 constexpr int64_t kPrefetchRows = 64;  // packed weight rows (64 bytes each) read ahead of use
 
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the AMX register state only on request, once per process.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
+using ce_amx::amx_permitted;
+using ce_amx::TileConfig;
 
 // 16 weights of input feature k (lo) and k + 1 (hi) -> 16 lanes of (bf16 lo, bf16 hi), as the B tile
 // wants pairs of input features side by side.

@@ -42,7 +42,10 @@ from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES
 
 SOURCE = Path(__file__).with_name("cpu_gemv_quantized.cpp")
 CPU_GEMV_QUANTIZED_VERSION = files_version(
-    module_file(__name__), module_file(cpu_attention_build.__name__), SOURCE
+    module_file(__name__),
+    module_file(cpu_attention_build.__name__),
+    SOURCE,
+    *cpu_attention_build.local_headers(SOURCE),
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

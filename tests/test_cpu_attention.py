@@ -3,6 +3,7 @@ engine running on it against Hugging Face's own greedy tokens."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 import subprocess
@@ -185,6 +186,21 @@ def test_a_damaged_library_is_rebuilt_with_a_warning(monkeypatch, tmp_path, capl
         library = cpu_attention_build.load(tmp_path)
     assert "rebuilding" in caplog.text
     assert good.stat().st_size > 1000 and library.ce_cpu_paged_attention is not None
+
+
+def test_a_local_header_is_part_of_the_librarys_key(tmp_path):
+    """A source's headers from its own folder (kernels/cpu_amx.h for the GEMVs) key its library
+    with it: an edited header builds a new library rather than loading the stale one."""
+    header = tmp_path / "shared.h"
+    header.write_text("inline int ce_value() { return 1; }\n")
+    source = tmp_path / "probe.cpp"
+    source.write_text('#include "shared.h"\nextern "C" int ce_probe() { return ce_value(); }\n')
+    assert cpu_attention_build.local_headers(source) == [header]
+    first = cpu_attention_build.build(tmp_path / "out", source_file=source)
+    assert ctypes.CDLL(str(first)).ce_probe() == 1
+    header.write_text("inline int ce_value() { return 2; }\n")
+    second = cpu_attention_build.build(tmp_path / "out", source_file=source)
+    assert second != first and ctypes.CDLL(str(second)).ce_probe() == 2
 
 
 def test_an_unwritable_build_dir_is_a_build_error(tmp_path):
