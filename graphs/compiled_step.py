@@ -53,7 +53,7 @@ from compiled_engine.graphs.pass_manager import BucketTarget, PassReport, PerBuc
 from compiled_engine.graphs.pass_pipeline import default_pass_manager
 from compiled_engine.graphs.passes.fuse_linears import FusedWeightCache
 from compiled_engine.graphs.quantized_gemv_policy import QUANTIZED_GEMV_POLICY_VERSION, with_quantized_rows
-from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.graphs.step_inputs import FrontViews, StepInputs
 from compiled_engine.graphs.traced_step import MIN_DYNAMIC_SIZE, TracedStep, check_buffer_room
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.kernels.paged_attention import PAGED_ATTENTION_VERSION
@@ -170,6 +170,7 @@ class CompiledStep:
         self.quantization = quantization
         self.kv_caches = kv_caches
         self.buffers = buffers
+        self._padded = FrontViews(buffers)  # the padded steps' views
         self.fuse_linears = fuse_linears
         self.cache_entry = cache
         self.store = ArtifactStore(cache) if cache is not None else None
@@ -332,10 +333,11 @@ class CompiledStep:
             tokens, seqs, logits = eager_shape(
                 num_tokens, inputs.seq_lens.shape[0], num_logits, self.buckets, self.max_num_seqs
             )
-            padded = pad_step(self.buffers, inputs, tokens, seqs, logits, width)
+            padded = pad_step(self.buffers, inputs, tokens, seqs, logits, width, views=self._padded)
         elif isinstance(graph, int):
             shape = bucket_shape(graph, self.max_num_seqs)
-            padded = pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, width)
+            tokens, seqs = shape.num_tokens, shape.num_seqs
+            padded = pad_step(self.buffers, inputs, tokens, seqs, seqs, width, views=self._padded)
         else:
             padded = pad_step(
                 self.buffers,

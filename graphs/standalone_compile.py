@@ -28,10 +28,20 @@ TAKES_FAKE_MODE = "fake_mode" in _PARAMETERS
 TAKES_DONATION = "donate_graph_module" in _PARAMETERS
 
 
+# Inductor settings for every step graph. No size asserts: the generated wrapper otherwise checks
+# every input's and every custom op output's sizes and strides on each call (84 checks in a
+# one-token step of a 6-layer model, ~0.5 us each), and a step's inputs are views of the runner's
+# fixed buffers, padded to the bucket's shape (graphs/buckets.py).
+# (standalone_compile hands `options` to compile_fx as keywords: its config_patches.)
+INDUCTOR_OPTIONS = {"config_patches": {"size_asserts": False}}
+
+
 def compile_donated(graph: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """`torch._inductor.standalone_compile`, donating `graph` (may be mutated) where supported."""
+    """`torch._inductor.standalone_compile` with INDUCTOR_OPTIONS, donating `graph` (may be
+    mutated) where supported."""
     if TAKES_DONATION:
         kwargs["donate_graph_module"] = True
+    kwargs.setdefault("options", INDUCTOR_OPTIONS)
     return torch._inductor.standalone_compile(graph, list(example_inputs), **kwargs)
 
 

@@ -17,7 +17,7 @@ has read it; graphs/passes/dce.py removes it afterwards so it never reaches Indu
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.fx.node import has_side_effect
@@ -33,6 +33,44 @@ class StepInputs(NamedTuple):
     seq_lens: torch.Tensor  # [S] int32, cached tokens per sequence after this step
     query_start_loc: torch.Tensor  # [S+1] int32, sequence s owns token rows [qsl[s], qsl[s+1])
     logits_indices: torch.Tensor  # [K] int64, token rows whose logits are returned
+
+
+class FrontViews:
+    """Views of the front of persistent step buffers, made once per size and then reused.
+
+    Why: a torch slice costs about a microsecond of dispatch, and a step's inputs are seven of
+    them, made again wherever a step is loaded or padded. Sizes repeat (a decode step's are its
+    bucket's), so few entries cover most steps; the cache is emptied when it reaches
+    `max_entries`. Only metadata is cached: the views share the buffers' storage, so they read
+    whatever the buffers hold. Callers must not change a view's metadata in place.
+    """
+
+    def __init__(self, buffers: StepInputs, max_entries: int = 4096) -> None:
+        self.buffers = buffers
+        # On the CPU, numpy views of the whole buffers, for writes cheaper than torch's.
+        self.arrays: tuple[Any, ...] | None = None
+        if buffers.input_ids.is_cpu:
+            self.arrays = tuple(buffer.numpy() for buffer in buffers)
+        self._views: dict[tuple[int, int, int, int], StepInputs] = {}
+        self._max_entries = max_entries
+
+    def __call__(self, num_tokens: int, num_seqs: int, num_logits: int, width: int) -> StepInputs:
+        key = (num_tokens, num_seqs, num_logits, width)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= self._max_entries:
+                self._views.clear()
+            b = self.buffers
+            views = self._views[key] = StepInputs(
+                input_ids=b.input_ids[:, :num_tokens],
+                positions=b.positions[:, :num_tokens],
+                slot_mapping=b.slot_mapping[:num_tokens],
+                block_tables=b.block_tables[:num_seqs, :width],
+                seq_lens=b.seq_lens[:num_seqs],
+                query_start_loc=b.query_start_loc[: num_seqs + 1],
+                logits_indices=b.logits_indices[:num_logits],
+            )
+        return views
 
 
 @torch.library.custom_op("compiled_engine::step_metadata", mutates_args=())

@@ -14,7 +14,7 @@ from compiled_engine.graphs.buckets import (
     eager_shape,
     pad_step,
 )
-from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.graphs.step_inputs import FrontViews, StepInputs
 from compiled_engine.kernels.reference import paged_attention_reference
 
 
@@ -118,6 +118,35 @@ def test_pad_step_writes_inert_padding():
     assert padded.logits_indices.tolist() == [1, 2, 0, 0, 0, 0, 0, 0]
     # Beyond the padded shape nothing is touched.
     assert buffers.slot_mapping[8:].eq(77).all() and buffers.block_tables[:, 3].eq(77).all()
+
+
+def test_pad_step_through_cached_views_pads_the_same_and_reuses_the_views():
+    plain = _buffers(max_tokens=16, max_seqs=8, max_blocks=4)
+    cached = _buffers(max_tokens=16, max_seqs=8, max_blocks=4)
+    views = FrontViews(cached)
+    shape = {"num_tokens": 8, "num_seqs": 8, "num_logits": 8, "width": 3}
+    expected = pad_step(plain, _fill_step(plain), **shape)
+    padded = pad_step(cached, _fill_step(cached), **shape, views=views)
+    for want, got in zip(expected, padded, strict=True):
+        assert torch.equal(want, got)
+    assert torch.equal(plain.slot_mapping, cached.slot_mapping)  # same writes past the views too
+    # The next step of that shape gets the same view objects, reading the buffers' new values.
+    again = pad_step(cached, _fill_step(cached), **shape, views=views)
+    assert all(a is b for a, b in zip(again, padded, strict=True))
+    cached.input_ids[0, 0] = 42
+    assert again.input_ids[0, 0].item() == 42
+    with pytest.raises(ValueError, match="views must be views of the buffers it pads"):
+        pad_step(plain, _fill_step(plain), **shape, views=views)
+
+
+def test_front_views_cache_is_bounded():
+    buffers = _buffers(max_tokens=16, max_seqs=8, max_blocks=4)
+    views = FrontViews(buffers, max_entries=2)
+    first = views(4, 2, 2, 1)
+    assert views(4, 2, 2, 1) is first and views(8, 2, 2, 1).slot_mapping.shape == (8,)
+    views(16, 8, 8, 4)  # a third size empties the cache
+    assert views(4, 2, 2, 1) is not first
+    assert views(4, 2, 2, 1).block_tables.shape == (2, 1)
 
 
 def test_padding_changes_neither_attention_nor_any_usable_block():

@@ -80,6 +80,8 @@ import bisect
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import itemgetter
 
 import numpy as np
 
@@ -95,6 +97,10 @@ from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, Sched
 
 RUNNING = RequestStatus.RUNNING
 _NO_PROPOSAL = DraftProposal(())
+# A ScheduledRequest's fields by position: itemgetter reads a tuple slot in C, where the field's
+# property costs a Python-level descriptor call.
+_REQUEST_ID = itemgetter(ScheduledRequest._fields.index("request_id"))
+_SAMPLES = itemgetter(ScheduledRequest._fields.index("sample"))
 
 
 @dataclass
@@ -414,7 +420,9 @@ class Scheduler:
             return []  # an empty step was never in flight
         if step is None or step.output is not scheduler_output:
             raise ValueError("update() got a SchedulerOutput that is not the oldest step in flight")
-        sampling_ids = tuple(s.request_id for s in scheduler_output.scheduled if s.sample)
+        scheduled = scheduler_output.scheduled
+        # Mapped in C (no Python frame per row): the request ids of the rows that sample.
+        sampling_ids = tuple(compress(map(_REQUEST_ID, scheduled), map(_SAMPLES, scheduled)))
         if tuple(runner_output.request_ids) != sampling_ids or len(runner_output.sampled_token_ids) != len(
             sampling_ids
         ):

@@ -4,17 +4,21 @@ Every step's flat inputs are copied from a host staging slot (worker/staging.py)
 these tensors — a device `StepBuffers` (worker/step_buffers.py), the record the slot holds on the
 host — and the graph gets views of them, so it always reads the same storage (captured CUDA graphs
 replay these addresses). The copies are queued on the stream the step runs on, so
-step N+1's copy cannot overwrite what step N still reads.
+step N+1's copy cannot overwrite what step N still reads. On the CPU they are plain memory copies
+made through numpy views of both sides: each torch copy (two slices and a `copy_`) cost a few
+microseconds of dispatch for a few bytes, a dozen times a step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from compiled_engine.graphs.device import Event
-from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.graphs.step_inputs import FrontViews, StepInputs
 from compiled_engine.records.scheduler_output import SchedulerOutput
 from compiled_engine.worker.sampler import PenaltyTensors, SamplingTensors, TokenEntries
 from compiled_engine.worker.staging import StagedStep, StagingSlot
@@ -43,7 +47,16 @@ class InputBuffers:
         self.max_blocks_per_seq = self.sizes.blocks_per_seq
         # The step's buffers on the device; growable ones grow on the execution stream.
         self.device_buffers = StepBuffers.allocate(self.sizes, device, host=False)
+        # On the CPU: numpy views of the fixed device buffers, which `load` copies through.
+        self._device_arrays: dict[str, np.ndarray] | None = None
+        if device.type == "cpu":
+            self._device_arrays = {
+                name: getattr(self.device_buffers, name).numpy()
+                for name, spec in StepBuffers.specs().items()
+                if spec.dtype is not None and spec.shape is not None and not spec.host_only
+            }
         self._own_slot: StagingSlot | None = None
+        self._front = FrontViews(self.whole())
 
     @property
     def max_num_seqs(self) -> int:
@@ -86,28 +99,32 @@ class InputBuffers:
             len(staged.sampled_rows),
             staged.num_placeholders,
         )
-        d, h = self.device_buffers, slot.buffers
-        d.input_ids[:, :n].copy_(h.input_ids[:, :n], non_blocking=True)
-        d.positions[:, :n].copy_(h.positions[:, :n], non_blocking=True)
-        d.slot_mapping[:n].copy_(h.slot_mapping[:n], non_blocking=True)
-        d.block_tables[:s, :w].copy_(h.block_tables[:s, :w], non_blocking=True)
-        d.seq_lens[:s].copy_(h.seq_lens[:s], non_blocking=True)
-        d.query_start_loc[: s + 1].copy_(h.query_start_loc[: s + 1], non_blocking=True)
         e = staged.num_logits
-        d.logits_indices[:e].copy_(h.logits_indices[:e], non_blocking=True)
-        # Each copy is a torch op with its dispatch cost: the ones a step does not use are skipped.
-        if k and not staged.all_greedy:  # an all-greedy step's sampler reads none of them
-            d.temperature[:k].copy_(h.temperature[:k], non_blocking=True)
-            d.top_k[:k].copy_(h.top_k[:k], non_blocking=True)
-            d.top_p[:k].copy_(h.top_p[:k], non_blocking=True)
-            d.greedy[:k].copy_(h.greedy[:k], non_blocking=True)
-            d.min_p[:k].copy_(h.min_p[:k], non_blocking=True)
         p = staged.num_penalised
+        # (buffer, index) of the fixed buffers this step uses.
+        fixed: list[tuple[str, Any]] = [
+            ("input_ids", (slice(None), slice(n))),
+            ("positions", (slice(None), slice(n))),
+            ("slot_mapping", slice(n)),
+            ("block_tables", (slice(s), slice(w))),
+            ("seq_lens", slice(s)),
+            ("query_start_loc", slice(s + 1)),
+            ("logits_indices", slice(e)),
+        ]
+        if k and not staged.all_greedy:  # an all-greedy step's sampler reads none of them
+            fixed += [(name, slice(k)) for name in ("temperature", "top_k", "top_p", "greedy", "min_p")]
         if p:
-            d.penalty_rows[:p].copy_(h.penalty_rows[:p], non_blocking=True)
-            d.presence_penalty[:p].copy_(h.presence_penalty[:p], non_blocking=True)
-            d.frequency_penalty[:p].copy_(h.frequency_penalty[:p], non_blocking=True)
-            d.repetition_penalty[:p].copy_(h.repetition_penalty[:p], non_blocking=True)
+            names = ("penalty_rows", "presence_penalty", "frequency_penalty", "repetition_penalty")
+            fixed += [(name, slice(p)) for name in names]
+        d, h = self.device_buffers, slot.buffers
+        if self._device_arrays is not None:
+            arrays, host = self._device_arrays, slot.host
+            for name, index in fixed:
+                arrays[name][index] = host[name][index]
+        else:
+            # Each copy is a torch op with its dispatch cost: the ones a step does not use are skipped.
+            for name, index in fixed:
+                getattr(d, name)[index].copy_(getattr(h, name)[index], non_blocking=True)
         for device_buffer, host_buffer, size in (
             (d.bias_rows, h.bias_rows, staged.num_bias),
             (d.bias_token_ids, h.bias_token_ids, staged.num_bias),
@@ -126,15 +143,7 @@ class InputBuffers:
             d.input_ids[0].index_copy_(0, rows, previous_samples.index_select(0, sources))
         if staged.num_penalised:
             self._load_penalty_counts(h, staged, previous_samples)
-        return StepInputs(
-            input_ids=d.input_ids[:, :n],
-            positions=d.positions[:, :n],
-            slot_mapping=d.slot_mapping[:n],
-            block_tables=d.block_tables[:s, :w],
-            seq_lens=d.seq_lens[:s],
-            query_start_loc=d.query_start_loc[: s + 1],
-            logits_indices=d.logits_indices[:e],
-        )
+        return self._front(n, s, e, w)
 
     def _load_penalty_counts(
         self, h: StepBuffers, staged: StagedStep, previous_samples: torch.Tensor | None

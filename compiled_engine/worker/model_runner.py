@@ -296,14 +296,16 @@ class ModelRunner:
             self.batch.clear()  # maybe half updated: rebuilt from the next steps' block lists
             raise
         scheduled = step.scheduled
-        sampled_request_ids = tuple(scheduled[i].request_id for i in staged.sampled_rows)
+        sampled_request_ids = staged.sampled_request_ids
         generators: tuple[torch.Generator | None, ...] = (None,) * len(sampled_request_ids)
         if staged.special_sampled:  # only those rows can be seeded
             generators = tuple(
                 self._generator_for(scheduled[row]) if i in staged.special_sampled else None
                 for i, row in enumerate(staged.sampled_rows)
             )
-        grammar_masks = GrammarMasks.of_rows([scheduled[row].grammar_bitmask for row in staged.sampled_rows])
+        grammar_masks = None
+        if staged.grammar_bitmasks is not None:
+            grammar_masks = GrammarMasks.of_rows(staged.grammar_bitmasks)
         proposal_generators = self._proposal_generators(scheduled, staged)
         proposal_masks = _proposal_grammar_masks(scheduled, staged) if staged.num_proposal_rows else None
         draft_probs = None

@@ -67,9 +67,14 @@ class PersistentBatch:
                 self.num_blocks[row] = 0
                 free_rows.append(row)
 
-    def update(self, step: SchedulerOutput) -> np.ndarray:
+    def update(
+        self,
+        step: SchedulerOutput,
+        columns: tuple[Sequence[str], Sequence[tuple[int, ...]]] | None = None,
+    ) -> np.ndarray:
         """Apply the step's departures, give its new requests rows and write the blocks each
-        request gained; returns each scheduled request's row, in scheduling order."""
+        request gained; returns each scheduled request's row, in scheduling order. `columns`:
+        the scheduled requests' ids and block lists, when the caller has them already."""
         if step.finished_request_ids:
             self.remove(step.finished_request_ids)
         if step.preempted_request_ids:
@@ -78,8 +83,11 @@ class PersistentBatch:
         n = len(reqs)
         if not n:
             return np.zeros(0, dtype=np.int64)
-        # Columns of the records, transposed in C (one pass) rather than read field by field.
-        request_ids, _, _, block_lists, *_ = zip(*reqs, strict=True)
+        if columns is None:
+            # Columns of the records, transposed in C (one pass) rather than read field by field.
+            request_ids, _, _, block_lists, *_ = zip(*reqs, strict=True)
+        else:
+            request_ids, block_lists = columns
         rows = np.fromiter(map(self.row_of.get, request_ids, repeat(-1)), dtype=np.int64, count=n)
         new = (rows < 0).nonzero()[0].tolist()
         if len(new) > len(self._free_rows):

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, repeat
+from operator import is_not, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -97,6 +97,9 @@ class StagedStep:
     proposal_sample_rows: tuple[int, ...] = ()
     proposed_token_ids: tuple[int, ...] = ()
     proposals_all_greedy: bool = True
+    # The sampling rows' request ids, and their grammar bitmasks (None: no row has one).
+    sampled_request_ids: tuple[str, ...] = ()
+    grammar_bitmasks: tuple[np.ndarray | None, ...] | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -194,6 +197,9 @@ class StagingSlot:
             if spec.dtype is not None and spec.shape is not None
         }
         self.consumed = consumed
+        # 0, 1, 2, ...: read-only, sliced for the decode-only steps' offsets and rows.
+        self._counting = np.arange(self.buffers.block_tables.shape[0] + 1, dtype=np.int64)
+        self._counting.flags.writeable = False
 
     def fill(
         self,
@@ -212,19 +218,26 @@ class StagingSlot:
             batch = PersistentBatch(*self.buffers.block_tables.shape)
         reqs = step.scheduled
         num_seqs = len(reqs)
-        rows = batch.update(step)
-        # Columns of the records, transposed in C (one pass) rather than read field by field.
-        _, token_lists, start_positions, _, samples, _, _, _, draft_counts, _, _ = zip(*reqs, strict=True)
-        q_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
+        # Columns of the records (ScheduledRequest's fields in order), transposed in C (one pass)
+        # rather than read field by field.
+        columns = tuple(zip(*reqs, strict=True))
+        request_ids, token_lists, start_positions, block_lists, samples = columns[:5]
+        bitmasks, draft_counts = columns[7:9]
+        rows = batch.update(step, (request_ids, block_lists))
         starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        num_tokens = sum(map(len, token_lists))
         decode_only = num_tokens == num_seqs  # one token per request: most steps
-
+        # Most steps take the decode-only shortcuts below: each numpy call they skip costs about
+        # a microsecond, which at one request is most of what staging costs.
+        counting = self._counting
         if decode_only:
+            q_lens: int | np.ndarray = 1
+            query_start_loc = counting[: num_seqs + 1]
             token_ids = np.fromiter(map(itemgetter(0), token_lists), dtype=np.int64, count=num_tokens)
         else:
+            q_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
+            query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=query_start_loc[1:])
             token_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=num_tokens)
         placeholder_rows = (token_ids == PLACEHOLDER_TOKEN_ID).nonzero()[0]
         placeholder_sources = np.zeros(len(placeholder_rows), dtype=np.int64)
@@ -239,7 +252,7 @@ class StagingSlot:
             token_ids[placeholder_rows] = 0  # any valid id until the device writes the real one
         # Position of every token: its request's start plus its offset inside the chunk.
         if decode_only:
-            seq_of_token = np.arange(num_seqs)
+            seq_of_token = counting[:num_seqs]
             positions = starts
         else:
             seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
@@ -250,25 +263,32 @@ class StagingSlot:
         bs = self.block_size
         slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
-        sample = np.fromiter(samples, dtype=bool, count=num_seqs)
-        sampled_index = sample.nonzero()[0]  # 1-D: np.flatnonzero without its Python wrappers
-        sampled_rows = tuple(sampled_index.tolist())
-        batch_rows = rows[sampled_index]
+        if all(samples):  # every request samples: most steps
+            sampled_index = counting[:num_seqs]
+            sampled_rows = tuple(range(num_seqs))
+            batch_rows = rows
+        else:
+            sample = np.fromiter(samples, dtype=bool, count=num_seqs)
+            sampled_index = sample.nonzero()[0]  # 1-D: np.flatnonzero without its Python wrappers
+            sampled_rows = tuple(sampled_index.tolist())
+            request_ids = tuple(request_ids[i] for i in sampled_rows)
+            bitmasks = tuple(bitmasks[i] for i in sampled_rows)
+            batch_rows = rows[sampled_index]
         greedy = batch.greedy[batch_rows]
-        temperature = batch.temperature[batch_rows]
-        top_k = batch.top_k[batch_rows]
-        top_p = batch.top_p[batch_rows]
-        min_p = batch.min_p[batch_rows]
-        not_greedy = ~greedy
+        all_greedy = bool(greedy.all())
         # Rows whose sampling needs their params one by one (penalties, bias, min_tokens, seeds,
         # logprobs): usually none.
         special = batch.special[batch_rows].nonzero()[0].tolist()
         extra = self._special_rows(reqs, sampled_rows, special, states, source_of_seq)
-        prompt_candidates = batch.special[rows].nonzero()[0].tolist()  # prompt_logprobs is special
+        # prompt_logprobs is special too
+        prompt_candidates = special if batch_rows is rows else batch.special[rows].nonzero()[0].tolist()
         prompt_rows, prompt_targets, prompt_chunks = self._prompt_logprob_rows(
             reqs, query_start_loc, states, prompt_candidates
         )
-        logits_indices = query_start_loc[1:][sampled_index] - 1
+        if decode_only and batch_rows is rows:
+            logits_indices = counting[:num_seqs]  # row i's one token is row i
+        else:
+            logits_indices = query_start_loc[1:][sampled_index] - 1
         if len(prompt_rows):
             logits_indices = np.concatenate([logits_indices, prompt_rows])
         proposals = _NO_PROPOSALS
@@ -288,11 +308,18 @@ class StagingSlot:
         if m:
             b["placeholder_rows"][:m] = placeholder_rows
             b["placeholder_sources"][:m] = placeholder_sources
-        b["temperature"][:k] = temperature
-        b["top_k"][:k] = top_k
-        b["top_p"][:k] = top_p
-        b["greedy"][:k] = greedy
-        b["min_p"][:k] = min_p
+        needs_top_k = needs_top_p = needs_min_p = False
+        if not all_greedy:  # an all-greedy step's sampler reads none of these (nor does the load)
+            top_k, top_p, min_p = batch.top_k[batch_rows], batch.top_p[batch_rows], batch.min_p[batch_rows]
+            b["temperature"][:k] = batch.temperature[batch_rows]
+            b["top_k"][:k] = top_k
+            b["top_p"][:k] = top_p
+            b["greedy"][:k] = greedy
+            b["min_p"][:k] = min_p
+            not_greedy = ~greedy
+            needs_top_k = bool((not_greedy & (top_k != -1)).any())
+            needs_top_p = bool((not_greedy & (top_p < 1.0)).any())
+            needs_min_p = bool((not_greedy & (min_p > 0.0)).any())
         host = extra.host
         p = len(host.penalty_rows)
         if p:
@@ -324,10 +351,10 @@ class StagingSlot:
             width=width,
             sampled_rows=sampled_rows,
             num_placeholders=m,
-            all_greedy=bool(greedy.all()),
-            needs_top_k=bool((not_greedy & (top_k != -1)).any()),
-            needs_top_p=bool((not_greedy & (top_p < 1.0)).any()),
-            needs_min_p=bool((not_greedy & (min_p > 0.0)).any()),
+            all_greedy=all_greedy,
+            needs_top_k=needs_top_k,
+            needs_top_p=needs_top_p,
+            needs_min_p=needs_min_p,
             num_penalised=p,
             num_penalty_tokens=len(host.penalty_token_ids),
             num_penalty_placeholders=len(count_rows),
@@ -341,6 +368,9 @@ class StagingSlot:
             proposal_sample_rows=proposals.sample_rows,
             proposed_token_ids=proposals.token_ids,
             proposals_all_greedy=proposals.all_greedy,
+            sampled_request_ids=request_ids,
+            # (`is not`, mapped in C: a mask is an array, which `==` with None would not answer.)
+            grammar_bitmasks=bitmasks if any(map(is_not, bitmasks, repeat(None))) else None,
         )
         self._size_results(staged)
         return staged
