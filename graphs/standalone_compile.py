@@ -31,18 +31,18 @@ TAKES_DONATION = "donate_graph_module" in _PARAMETERS
 # Inductor settings for every step graph. No size asserts: the generated wrapper otherwise checks
 # every input's and every custom op output's sizes and strides on each call (84 checks in a
 # one-token step of a 6-layer model, ~0.5 us each), and a step's inputs are views of the runner's
-# fixed buffers, padded to the bucket's shape (graphs/buckets.py).
-# (standalone_compile hands `options` to compile_fx as keywords: its config_patches.)
-INDUCTOR_OPTIONS = {"config_patches": {"size_asserts": False}}
+# fixed buffers, padded to the bucket's shape (graphs/buckets.py). Patched around the call rather
+# than passed as its `options`, which compile_fx applies by calling itself once more.
+INDUCTOR_CONFIG = {"size_asserts": False}
 
 
 def compile_donated(graph: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """`torch._inductor.standalone_compile` with INDUCTOR_OPTIONS, donating `graph` (may be
+    """`torch._inductor.standalone_compile` under INDUCTOR_CONFIG, donating `graph` (may be
     mutated) where supported."""
     if TAKES_DONATION:
         kwargs["donate_graph_module"] = True
-    kwargs.setdefault("options", INDUCTOR_OPTIONS)
-    return torch._inductor.standalone_compile(graph, list(example_inputs), **kwargs)
+    with torch._inductor.config.patch(INDUCTOR_CONFIG):
+        return torch._inductor.standalone_compile(graph, list(example_inputs), **kwargs)
 
 
 def compile_with_fake_mode(

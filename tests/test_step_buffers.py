@@ -114,3 +114,39 @@ def test_staging_refuses_a_penalised_request_without_its_history():
     step = SchedulerOutput((_decode("a", 5, 3, 0, SamplingParams(presence_penalty=0.5), 0),), 1, (), ())
     with pytest.raises(RuntimeError, match=r"need ModelRunner.add_request\(\)"):
         buffers.new_slot().fill(step, None, {})
+
+
+@pytest.mark.parametrize("through_numpy", [True, False], ids=["numpy-copies", "torch-copies"])
+def test_staged_steps_load_the_same_through_numpy_and_torch_copies(through_numpy):
+    """On the CPU `load` copies through numpy views; elsewhere through torch. Both must put the
+    same values in the step's buffers, for a decode-only all-greedy step (staging's shortcuts)
+    and for a mixed one (a prompt chunk that does not sample, a sampled decode with top-k)."""
+    greedy, top_k = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5)
+    buffers = InputBuffers(64, 4, 64, 16, CPU)
+    if not through_numpy:
+        buffers._device_arrays = None  # the path a CUDA device takes
+    slot = buffers.new_slot()
+
+    decodes = SchedulerOutput(
+        (_decode("a", 7, 13, 3, greedy, 1), _decode("b", 9, 4, 5, greedy, 2)), 2, (), ()
+    )
+    staged = slot.fill(decodes)
+    assert staged.all_greedy and staged.sampled_request_ids == ("a", "b") and staged.grammar_bitmasks is None
+    inputs = buffers.load(slot, staged)
+    assert inputs.input_ids.tolist() == [[7, 9]] and inputs.positions.tolist() == [[13, 4]]
+    assert inputs.slot_mapping.tolist() == [3 * 16 + 13, 5 * 16 + 4]
+    assert inputs.seq_lens.tolist() == [14, 5] and inputs.query_start_loc.tolist() == [0, 1, 2]
+    assert inputs.logits_indices.tolist() == [0, 1] and inputs.block_tables.tolist() == [[3], [5]]
+
+    chunk = ScheduledRequest("c", (11, 12, 13), 0, (6,), False, greedy, 0)
+    mixed = SchedulerOutput((chunk, _decode("d", 8, 2, 1, top_k, 1)), 4, (), ())
+    staged = slot.fill(mixed)
+    assert not staged.all_greedy and staged.needs_top_k and staged.sampled_rows == (1,)
+    assert staged.sampled_request_ids == ("d",)
+    inputs = buffers.load(slot, staged)
+    assert inputs.input_ids.tolist() == [[11, 12, 13, 8]] and inputs.positions.tolist() == [[0, 1, 2, 2]]
+    assert inputs.slot_mapping.tolist() == [96, 97, 98, 18]
+    assert inputs.seq_lens.tolist() == [3, 3] and inputs.query_start_loc.tolist() == [0, 3, 4]
+    assert inputs.logits_indices.tolist() == [3]
+    tensors = buffers.sampling_tensors(staged, (None,), None)
+    assert tensors.temperature.tolist() == pytest.approx([0.7]) and tensors.top_k.tolist() == [5]
