@@ -101,18 +101,27 @@ _NO_PROPOSAL = DraftProposal(())
 # property costs a Python-level descriptor call.
 _REQUEST_ID = itemgetter(ScheduledRequest._fields.index("request_id"))
 _SAMPLES = itemgetter(ScheduledRequest._fields.index("sample"))
+_TOKEN_IDS = itemgetter(ScheduledRequest._fields.index("token_ids"))
 
 
 @dataclass
 class _InFlightStep:
     output: SchedulerOutput
-    requests: dict[str, Request]
-    # The same requests in scheduling order (aligned with output.scheduled): update walks these.
+    # The step's requests in scheduling order (aligned with output.scheduled): update walks these.
     ordered: list[Request] = field(default_factory=list)
     # Blocks of requests that ended while this step still read them: freed when it is updated.
     deferred_blocks: list[int] = field(default_factory=list)
     # Keys of the full blocks this step completes (prefix caching): registered when it is updated.
     computing_block_hashes: list[bytes] = field(default_factory=list)
+    _request_ids: frozenset[str] | None = None
+
+    def reads(self, request_id: str) -> bool:
+        """Whether the step computes for this request. The id set is built on the first question:
+        most steps are never asked (in the synchronous loop a request ends with no step in
+        flight), and building it cost a dict entry per request every step."""
+        if self._request_ids is None:
+            self._request_ids = frozenset(request.request_id for request in self.ordered)
+        return request_id in self._request_ids
 
 
 class Scheduler:
@@ -399,10 +408,7 @@ class Scheduler:
                 self._finished_since_last_schedule[:0] = finished_ids
             return output
         self._preempted_unsent.clear()
-        requests = {r.request_id: r for r in scheduled_requests}
-        self._in_flight.append(
-            _InFlightStep(output, requests, scheduled_requests, computing_block_hashes=computing)
-        )
+        self._in_flight.append(_InFlightStep(output, scheduled_requests, computing_block_hashes=computing))
         if computing:
             self._computing_block_hashes.update(computing)
         return output
@@ -447,9 +453,9 @@ class Scheduler:
 
         outputs: list[EngineCoreOutput] = []
         finished_any = False
-        for scheduled_request, request in zip(scheduler_output.scheduled, step.ordered, strict=True):
-            num_tokens = len(scheduled_request.token_ids)
-            sample = scheduled_request.sample
+        rows = zip(scheduled, map(_TOKEN_IDS, scheduled), map(_SAMPLES, scheduled), step.ordered, strict=True)
+        for scheduled_request, token_ids, sample, request in rows:
+            num_tokens = len(token_ids)
             request.num_in_flight_tokens -= num_tokens
             request.num_pending_outputs -= sample
             token_id = next(sampled_tokens) if sample else None
@@ -690,7 +696,7 @@ class Scheduler:
         blocks = self._kv_cache_manager.release(request.request_id)
         if self._draft is not None:
             self._draft.forget((request.request_id,))
-        readers = [step for step in self._in_flight if request.request_id in step.requests]
+        readers = [step for step in self._in_flight if step.reads(request.request_id)]
         if readers:
             readers[-1].deferred_blocks.extend(blocks)
         else:
@@ -742,21 +748,16 @@ class Scheduler:
         placeholder; it samples; no grammar. Built field by field in C (tuple.__new__ skips the
         NamedTuple's Python constructor), since it runs for every decoding request every step."""
         history = request.history
-        outputs = history.output_token_ids
-        if pending:
-            token = PLACEHOLDER_TOKEN_ID
-        else:
-            token = outputs[-1] if outputs else history.prompt_token_ids[-1]
         return tuple.__new__(
             ScheduledRequest,
             (
                 request.request_id,
-                (token,),
+                (PLACEHOLDER_TOKEN_ID if pending else history.newest_token_id,),
                 start,
                 blocks,
                 True,
                 request.sampling_params,
-                len(outputs) + pending,
+                history.num_tokens - len(history.prompt_token_ids) + pending,  # its outputs, owed ones too
                 None,  # grammar_bitmask
                 0,  # num_draft_tokens
                 None,  # proposal_bitmasks

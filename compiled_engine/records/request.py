@@ -34,15 +34,24 @@ class TokenHistory:
     only the owner takes `append`.
     """
 
-    __slots__ = ("prompt_token_ids", "_output_token_ids", "_prompt_array", "is_replica", "num_tokens")
+    __slots__ = (
+        "prompt_token_ids",
+        "_output_token_ids",
+        "_prompt_array",
+        "is_replica",
+        "num_tokens",
+        "newest_token_id",
+    )
 
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)  # a tuple is not copied
         self._output_token_ids: list[int] = []
         self._prompt_array: np.ndarray | None = None
         self.is_replica = False
-        # Prompt plus outputs, kept with them (read for every running request every step).
+        # Prompt plus outputs, and the last of them, kept with them (read for every running request
+        # every step: the scheduler's decode row feeds the newest token).
         self.num_tokens = len(self.prompt_token_ids)
+        self.newest_token_id = self.prompt_token_ids[-1] if self.prompt_token_ids else -1
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -64,6 +73,7 @@ class TokenHistory:
             raise RuntimeError("a replica history follows its owner through extend_replica, never append")
         self._output_token_ids.append(token_id)
         self.num_tokens += 1
+        self.newest_token_id = token_id
 
     def extend_replica(self, token_ids: Sequence[int]) -> None:
         """Outputs the owner accepted, copied into this replica (a tensor-parallel worker's)."""
@@ -71,6 +81,7 @@ class TokenHistory:
             raise RuntimeError("only a replica is extended; the owner's history is appended by the scheduler")
         self._output_token_ids.extend(token_ids)
         self.num_tokens = len(self.prompt_token_ids) + len(self._output_token_ids)
+        self._set_newest()
 
     def __eq__(self, other: object) -> bool:
         """Same tokens (a replica equals its owner once it has caught up)."""
@@ -90,8 +101,13 @@ class TokenHistory:
         self.prompt_token_ids, outputs = state
         self._output_token_ids = list(outputs)
         self.num_tokens = len(self.prompt_token_ids) + len(self._output_token_ids)
+        self._set_newest()
         self._prompt_array = None
         self.is_replica = True
+
+    def _set_newest(self) -> None:
+        outputs, prompt = self._output_token_ids, self.prompt_token_ids
+        self.newest_token_id = outputs[-1] if outputs else (prompt[-1] if prompt else -1)
 
 
 class RequestStatus(enum.Enum):
