@@ -33,6 +33,18 @@ def test_only_the_owner_appends_and_only_a_replica_is_extended():
     assert list(replica.output_token_ids) == [7, 8] and list(history.output_token_ids) == [7]
 
 
+def test_the_newest_token_follows_the_prompt_then_every_output_in_owner_and_replica():
+    history = TokenHistory([1, 2, 3])
+    assert history.newest_token_id == 3
+    history.append(7)
+    assert history.newest_token_id == 7
+    replica = pickle.loads(pickle.dumps(history))
+    assert replica.newest_token_id == 7
+    replica.extend_replica([8, 9])
+    assert replica.newest_token_id == 9 and replica.num_tokens == 6
+    assert pickle.loads(pickle.dumps(TokenHistory([5]))).newest_token_id == 5
+
+
 def test_the_scheduler_appends_to_the_requests_history():
     config = SchedulerConfig(
         num_kv_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32
