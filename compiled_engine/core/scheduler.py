@@ -274,6 +274,7 @@ class Scheduler:
         prefill_cap = self._prefill_cap
         prefill_room = self._prefill_room()
         blocks_for = self._kv_cache_manager.blocks_for
+        decode_request = self._decode_request
         caching = self._config.enable_prefix_caching
         block_size = self._config.block_size
         running = self._running
@@ -322,10 +323,12 @@ class Scheduler:
             else:
                 num_new_tokens = 1
             proposal = _NO_PROPOSAL
+            drafts: tuple[int, ...] = ()
             if can_speculate and start == request.history.num_tokens - 1:
                 proposal = self._propose(request, start, budget)
-            drafts = proposal.token_ids
+                drafts = proposal.token_ids
             blocks = None if drafts else blocks_for(request.request_id, start + num_new_tokens)
+            sample = True
             if drafts:
                 # A grammar may keep fewer of the proposals (their blocks stay allocated).
                 scheduled.append(self._speculative_request(request, start, proposal))
@@ -339,16 +342,18 @@ class Scheduler:
                 if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
                     break  # it was the newest running request, so nothing follows it
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
+                sample = scheduled[-1].sample
             elif num_known == 1 and request.grammar is None:  # a decode: most requests, most steps
-                scheduled.append(self._decode_request(request, start, pending, blocks))
+                scheduled.append(decode_request(request, start, pending, blocks))  # it samples
             else:
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
+                sample = scheduled[-1].sample
             scheduled_requests.append(request)
             if caching and (start + num_new_tokens) // block_size > start // block_size:
                 computing += self._completed_block_hashes(request, num_new_tokens)
             # In flight from here: what later rows of this step and the steps after it see.
             request.num_in_flight_tokens += num_new_tokens
-            request.num_pending_outputs += scheduled[-1].sample
+            request.num_pending_outputs += sample
             budget -= num_new_tokens
             index += 1
 
