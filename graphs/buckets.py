@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compiled_engine.graphs.step_inputs import FrontViews, StepInputs
+from compiled_engine.graphs.step_inputs import FrontViews, StepInputs, front_of
 
 # Small buckets are where decode lives (one token per sequence); above 128, every 128.
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -164,12 +164,4 @@ def pad_step(
     logits_indices[k:num_logits] = 0
     if views is not None:
         return views(num_tokens, num_seqs, num_logits, width)
-    return StepInputs(
-        input_ids=buffers.input_ids[:, :num_tokens],
-        positions=buffers.positions[:, :num_tokens],
-        slot_mapping=buffers.slot_mapping[:num_tokens],
-        block_tables=buffers.block_tables[:num_seqs, :width],
-        seq_lens=buffers.seq_lens[:num_seqs],
-        query_start_loc=buffers.query_start_loc[: num_seqs + 1],
-        logits_indices=buffers.logits_indices[:num_logits],
-    )
+    return front_of(buffers, num_tokens, num_seqs, num_logits, width)

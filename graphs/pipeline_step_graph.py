@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.graphs.step_inputs import StepInputs, front_of
 from compiled_engine.kernels.pipeline_transfer import PostedTransfers, TransferClock, take_transfers
 
 if TYPE_CHECKING:
@@ -193,16 +193,7 @@ class PipelineStepGraph:
         rows = ((indices >= q0) & (indices < q1)).nonzero().squeeze(1)
         k = rows.shape[0]
         b.logits_indices[:k] = indices[rows] - q0
-        sub = StepInputs(
-            input_ids=b.input_ids[:, :n],
-            positions=b.positions[:, :n],
-            slot_mapping=b.slot_mapping[:n],
-            block_tables=b.block_tables[:s, :width],
-            seq_lens=b.seq_lens[:s],
-            query_start_loc=b.query_start_loc[: s + 1],
-            logits_indices=b.logits_indices[:k],
-        )
-        return sub, rows
+        return front_of(b, n, s, k, width), rows
 
     def _restore(self, step: StepInputs) -> None:
         b = self._buffers

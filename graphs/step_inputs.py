@@ -35,6 +35,19 @@ class StepInputs(NamedTuple):
     logits_indices: torch.Tensor  # [K] int64, token rows whose logits are returned
 
 
+def front_of(buffers: StepInputs, num_tokens: int, num_seqs: int, num_logits: int, width: int) -> StepInputs:
+    """Views of the front of persistent `buffers` for a step of these sizes."""
+    return StepInputs(
+        input_ids=buffers.input_ids[:, :num_tokens],
+        positions=buffers.positions[:, :num_tokens],
+        slot_mapping=buffers.slot_mapping[:num_tokens],
+        block_tables=buffers.block_tables[:num_seqs, :width],
+        seq_lens=buffers.seq_lens[:num_seqs],
+        query_start_loc=buffers.query_start_loc[: num_seqs + 1],
+        logits_indices=buffers.logits_indices[:num_logits],
+    )
+
+
 class FrontViews:
     """Views of the front of persistent step buffers, made once per size and then reused.
 
@@ -60,16 +73,7 @@ class FrontViews:
         if views is None:
             if len(self._views) >= self._max_entries:
                 self._views.clear()
-            b = self.buffers
-            views = self._views[key] = StepInputs(
-                input_ids=b.input_ids[:, :num_tokens],
-                positions=b.positions[:, :num_tokens],
-                slot_mapping=b.slot_mapping[:num_tokens],
-                block_tables=b.block_tables[:num_seqs, :width],
-                seq_lens=b.seq_lens[:num_seqs],
-                query_start_loc=b.query_start_loc[: num_seqs + 1],
-                logits_indices=b.logits_indices[:num_logits],
-            )
+            views = self._views[key] = front_of(self.buffers, num_tokens, num_seqs, num_logits, width)
         return views
 
 
