@@ -50,11 +50,7 @@ class InputBuffers:
         # On the CPU: numpy views of the fixed device buffers, which `load` copies through.
         self._device_arrays: dict[str, np.ndarray] | None = None
         if device.type == "cpu":
-            self._device_arrays = {
-                name: getattr(self.device_buffers, name).numpy()
-                for name, spec in StepBuffers.specs().items()
-                if spec.dtype is not None and spec.shape is not None and not spec.host_only
-            }
+            self._device_arrays = self.device_buffers.arrays()
         self._own_slot: StagingSlot | None = None
         self._front = FrontViews(self.whole())
 

@@ -189,13 +189,8 @@ class StagingSlot:
         self.block_size = block_size
         # Pinned when the step runs on CUDA (an asynchronous copy needs page-locked memory).
         self.buffers = StepBuffers.allocate(sizes, device, host=True)
-        # numpy views of the fixed buffers: staging writes through them (a numpy write costs a
-        # fraction of a torch op's dispatch).
-        self.host: dict[str, np.ndarray] = {
-            name: getattr(self.buffers, name).numpy()
-            for name, spec in StepBuffers.specs().items()
-            if spec.dtype is not None and spec.shape is not None
-        }
+        # numpy views of the fixed buffers: staging writes through them.
+        self.host: dict[str, np.ndarray] = self.buffers.arrays()
         self.consumed = consumed
         # 0, 1, 2, ...: read-only, sliced for the decode-only steps' offsets and rows.
         self._counting = np.arange(self.buffers.block_tables.shape[0] + 1, dtype=np.int64)

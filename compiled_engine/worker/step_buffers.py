@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -215,3 +216,12 @@ class StepBuffers:
     def specs(cls) -> dict[str, BufferSpec]:
         """Every field's allocation rule, by name."""
         return {f.name: f.metadata["spec"] for f in dataclasses.fields(cls)}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """numpy views of the fixed buffers, by name (buffers in host memory only): a write through
+        one costs a fraction of a torch op's dispatch."""
+        return {
+            name: getattr(self, name).numpy()
+            for name, spec in self.specs().items()
+            if spec.dtype is not None and spec.shape is not None
+        }
