@@ -790,6 +790,37 @@ def test_a_decode_is_scheduled_as_the_general_path_schedules_it(in_flight):
         assert request.num_pending_outputs == pending + 1
 
 
+def test_decodes_after_a_prompt_chunk_are_scheduled_by_the_general_loop_alike():
+    """The decode loop stops at the first running request that is not a plain decode (here a
+    prompt still in chunks); the general loop schedules the rest, decodes included, with the same
+    rows, and the update of that mixed step (the general update) emits the decodes' tokens."""
+    scheduler = make_scheduler(long_prefill_token_threshold=8)
+    for request_id, prompt_len in (("a", 4), ("b", 40), ("c", 4)):
+        scheduler.add_request(make_request(request_id, prompt_len=prompt_len, max_tokens=20))
+    step(scheduler)  # a and c's prompts, b's first 8 tokens
+    out, outputs = step(scheduler)
+    rows = {row.request_id: row for row in out.scheduled}
+    assert [row.request_id for row in out.scheduled] == ["a", "b", "c"]
+    for request_id in "ac":  # decodes, before and after the chunk
+        row = rows[request_id]
+        assert (row.token_ids, row.start_position, row.sample, row.num_output_tokens) == (
+            (NEXT_TOKEN,),
+            4,
+            True,
+            1,
+        )
+        assert row.block_ids == scheduler.kv_cache_manager.get_block_ids(request_id)
+    assert (len(rows["b"].token_ids), rows["b"].start_position, rows["b"].sample) == (8, 8, False)
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", (NEXT_TOKEN,)), ("c", (NEXT_TOKEN,))]
+    while rows["b"].start_position + len(rows["b"].token_ids) < 40:
+        out, outputs = step(scheduler)
+        rows = {row.request_id: row for row in out.scheduled}
+    out, outputs = step(scheduler)  # every row a decode now: the decode loop and update's own loop
+    assert all(row.sample and len(row.token_ids) == 1 for row in out.scheduled)
+    assert [o.request_id for o in outputs] == ["a", "b", "c"]
+    assert [r.num_in_flight_tokens + r.num_pending_outputs for r in scheduler._running] == [0, 0, 0]
+
+
 def test_stopping_tokens_and_length_limit_end_requests_as_the_full_check_does():
     """The update's quick test (request.stopping_token_ids, request.max_num_tokens) before the
     full stop check: a stop token, EOS (not when ignored) and max_tokens each still end it."""

@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
@@ -272,9 +272,7 @@ class Scheduler:
         computing: list[bytes] = []  # keys of the full blocks this step completes
         # Hoisted out of the loop below, which runs once per running request every step.
         prefill_cap = self._prefill_cap
-        prefill_room = self._prefill_room()
         blocks_for = self._kv_cache_manager.blocks_for
-        decode_request = self._decode_request
         caching = self._config.enable_prefix_caching
         block_size = self._config.block_size
         running = self._running
@@ -286,7 +284,12 @@ class Scheduler:
             num_requests = min(len(running) + len(self._waiting), self._config.max_num_seqs)
             max_seqs_this_step = max(1, -(-num_requests // depth))
 
-        index = 0
+        index, budget = self._schedule_decodes(
+            budget, max_seqs_this_step, speculating, scheduled, scheduled_requests, computing
+        )
+        # Only prompt chunks and admissions need it, and it is a loop over the running requests
+        # (the decode rows just scheduled count the same: their tokens and owed outputs grew alike).
+        prefill_room = self._prefill_room() if index < len(running) or self._waiting else 0
         while index < len(running) and budget > 0:
             request = running[index]
             pending = request.num_pending_outputs
@@ -343,8 +346,6 @@ class Scheduler:
                     break  # it was the newest running request, so nothing follows it
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
                 sample = scheduled[-1].sample
-            elif num_known == 1 and request.grammar is None:  # a decode: most requests, most steps
-                scheduled.append(decode_request(request, start, pending, blocks))  # it samples
             else:
                 scheduled.append(self._scheduled_request(request, num_new_tokens))
                 sample = scheduled[-1].sample
@@ -452,6 +453,71 @@ class Scheduler:
             s.num_draft_tokens for s in scheduler_output.scheduled
         ):
             raise ValueError("the step verified proposals but the runner output has no num_accepted_drafts")
+        if accepted_counts is None and scheduler_output.num_batched_tokens == len(sampling_ids) == len(
+            scheduled
+        ):
+            outputs, finished_any = self._update_decodes(step.ordered, runner_output.sampled_token_ids)
+        else:
+            outputs, finished_any = self._update_rows(step, sampled_tokens, accepted_counts)
+        self._forget_computing(step)
+        if step.deferred_blocks:  # most steps have none (free builds a Counter even of nothing)
+            self._kv_cache_manager.block_pool.free(step.deferred_blocks)
+        if finished_any:
+            self._running = [r for r in self._running if not r.status.finished]
+        return outputs
+
+    def _update_decodes(
+        self, requests: list[Request], token_ids: Sequence[int]
+    ) -> tuple[list[EngineCoreOutput], bool]:
+        """`_update_rows` for a step whose every row computed one token and sampled one (no
+        proposals): most steps. A loop of its own for the reason `_schedule_decodes` has one.
+        Returns the outputs and whether any request ended."""
+        cache_computed_blocks = self._kv_cache_manager.cache_computed_blocks
+        caching = self._config.enable_prefix_caching
+        block_size = self._config.block_size
+        new_output = tuple.__new__
+        outputs: list[EngineCoreOutput] = []
+        finished_any = False
+        for request, token_id in zip(requests, token_ids, strict=True):
+            request.num_in_flight_tokens -= 1
+            request.num_pending_outputs -= 1
+            current = request.status
+            if current is not RUNNING and current in FINISHED_STATUSES:
+                self.num_discarded_tokens += 1
+                continue
+            computed = request.num_computed_tokens + 1
+            request.num_computed_tokens = computed
+            if caching and computed % block_size == 0:
+                cache_computed_blocks(request)
+            history = request.history
+            history.append(token_id)
+            if token_id in request.stopping_token_ids or history.num_tokens >= request.max_num_tokens:
+                stopped = self._stopped_output(request, token_id)
+                if stopped is not None:
+                    finished_any = True
+                    outputs.append(stopped)
+                    continue
+            # tuple.__new__: the NamedTuple without its Python constructor (every request, every step).
+            outputs.append(
+                new_output(EngineCoreOutput, (request.request_id, (token_id,), False, None, None, None, None))
+            )
+        return outputs, finished_any
+
+    def _stopped_output(self, request: Request, token_id: int) -> EngineCoreOutput | None:
+        """End the request if its newest token (`token_id`, just appended) stops it; its output
+        then. None: it goes on."""
+        status, stop_reason = self._stop_status(request, token_id)
+        if status is None:
+            return None
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+        return EngineCoreOutput(request.request_id, (token_id,), True, status.finish_reason, stop_reason)
+
+    def _update_rows(
+        self, step: _InFlightStep, sampled_tokens: Iterator[int], accepted_counts: Iterator[int] | None
+    ) -> tuple[list[EngineCoreOutput], bool]:
+        """`update` for a step of any rows (prompt chunks, rows that do not sample, proposals)."""
+        scheduled = step.output.scheduled
         cache_computed_blocks = self._kv_cache_manager.cache_computed_blocks
         caching = self._config.enable_prefix_caching
         block_size = self._config.block_size
@@ -492,25 +558,100 @@ class Scheduler:
             # Most tokens end nothing: two cheap tests before the full check (max_num_tokens is
             # at most max_model_len: add_request refuses a request that could pass it).
             if token_id in request.stopping_token_ids or history.num_tokens >= request.max_num_tokens:
-                status, stop_reason = self._stop_status(request, token_id)
-            else:
-                status = None
-            if status is not None:
-                request.stop_reason = stop_reason
-                self._finish(request, status)
-                finished_any = True
-                outputs.append(
-                    EngineCoreOutput(request.request_id, (token_id,), True, status.finish_reason, stop_reason)
+                stopped = self._stopped_output(request, token_id)
+                if stopped is not None:
+                    finished_any = True
+                    outputs.append(stopped)
+                    continue
+            outputs.append(EngineCoreOutput(request.request_id, (token_id,), False, None, None))
+        return outputs, finished_any
+
+    def _schedule_decodes(
+        self,
+        budget: int,
+        max_seqs: int,
+        speculating: bool,
+        scheduled: list[ScheduledRequest],
+        scheduled_requests: list[Request],
+        computing: list[bytes],
+    ) -> tuple[int, int]:
+        """The first part of `schedule`'s running loop, for its commonest rows: from the oldest
+        running request, while each one decodes (one token, no grammar, no proposals) or is
+        skipped (see the general loop). Returns where it stopped in the running list and the
+        budget left; the general loop goes on from there, with the same rules.
+
+        A loop of its own because at 256 running requests it is most of a step's scheduling: each
+        check it leaves out (prompt chunks, proposals, preemption) was a branch per row; the row
+        is built inline (a call per row was a tenth of the loop), and its blocks are read from
+        the cache manager's `owned_blocks`, with a `blocks_for` call only when the next token
+        needs a new block (the call on every row was a fifth of the loop)."""
+        blocks_for = self._kv_cache_manager.blocks_for
+        owned_blocks = self._kv_cache_manager.owned_blocks
+        caching = self._config.enable_prefix_caching
+        block_size = self._config.block_size
+        pipelined = self._config.pipeline_depth > 1
+        new_row = tuple.__new__
+        index = 0
+        for request in self._running:
+            if budget <= 0:
+                break
+            pending = request.num_pending_outputs
+            history = request.history
+            num_tokens = history.num_tokens
+            if pending:
+                if (
+                    pipelined  # its token lands with a step in flight
+                    or num_tokens + pending >= request.max_num_tokens  # ends by length when it lands
+                    or request.grammar is not None  # its next mask needs that token
+                    or request.has_proposals_in_flight  # how many tokens it keeps is not known yet
+                    or (speculating and self._can_speculate(request))  # its proposals need it
+                ):
+                    index += 1
+                    continue
+            elif pipelined and max_seqs <= len(scheduled):
+                index += 1  # this step has its share
+                continue
+            start = request.num_computed_tokens + request.num_in_flight_tokens
+            if num_tokens + pending - start != 1 or request.grammar is not None:
+                break  # a prompt chunk, or a grammar's mask: the general loop's rows
+            if not pending and speculating and self._can_speculate(request):
+                break  # it proposes tokens
+            request_id = request.request_id
+            blocks = owned_blocks.get(request_id)
+            if blocks is None or len(blocks) * block_size <= start:  # its next token needs a block
+                blocks = blocks_for(request_id, start + 1)
+                if blocks is None:
+                    break  # short of blocks: the general loop preempts (or waits for the steps in flight)
+            # The decode row (`_scheduled_request(request, 1)`), built in C: tuple.__new__ skips
+            # the NamedTuple's Python constructor.
+            scheduled.append(
+                new_row(
+                    ScheduledRequest,
+                    (
+                        request_id,
+                        # Its newest token; while a step in flight samples it, a placeholder.
+                        (PLACEHOLDER_TOKEN_ID if pending else history.newest_token_id,),
+                        start,
+                        blocks,
+                        True,  # it samples
+                        request.sampling_params,
+                        num_tokens - len(history.prompt_token_ids) + pending,  # outputs, owed ones too
+                        None,  # grammar_bitmask
+                        0,  # num_draft_tokens
+                        None,  # proposal_bitmasks
+                        None,  # draft_probs
+                    ),
                 )
-            else:
-                # tuple.__new__: the NamedTuple without its Python constructor (every request, every step).
-                fields = (request.request_id, (token_id,), False, None, None, None, None)
-                outputs.append(tuple.__new__(EngineCoreOutput, fields))
-        self._forget_computing(step)
-        self._kv_cache_manager.block_pool.free(step.deferred_blocks)
-        if finished_any:
-            self._running = [r for r in self._running if not r.status.finished]
-        return outputs
+            )
+            scheduled_requests.append(request)
+            if caching and (start + 1) % block_size == 0:
+                computing += self._completed_block_hashes(request, 1)
+            # In flight from here: what later rows of this step and the steps after it see.
+            request.num_in_flight_tokens += 1
+            request.num_pending_outputs = pending + 1
+            budget -= 1
+            index += 1
+        return index, budget
 
     def _speculating(self) -> bool:
         """Whether this step proposes tokens at all: speculation is on and few enough requests run
@@ -742,32 +883,6 @@ class Scheduler:
             request.sampling_params,
             len(outputs) + pending,
             grammar_bitmask,
-        )
-
-    @staticmethod
-    def _decode_request(
-        request: Request, start: int, pending: int, blocks: tuple[int, ...]
-    ) -> ScheduledRequest:
-        """`_scheduled_request(request, 1)` for a request whose one token to compute is its newest
-        (at `start`): the known newest token, or, while a step in flight samples it, a
-        placeholder; it samples; no grammar. Built field by field in C (tuple.__new__ skips the
-        NamedTuple's Python constructor), since it runs for every decoding request every step."""
-        history = request.history
-        return tuple.__new__(
-            ScheduledRequest,
-            (
-                request.request_id,
-                (PLACEHOLDER_TOKEN_ID if pending else history.newest_token_id,),
-                start,
-                blocks,
-                True,
-                request.sampling_params,
-                history.num_tokens - len(history.prompt_token_ids) + pending,  # its outputs, owed ones too
-                None,  # grammar_bitmask
-                0,  # num_draft_tokens
-                None,  # proposal_bitmasks
-                None,  # draft_probs
-            ),
         )
 
     def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:

@@ -44,6 +44,7 @@ class ScheduledRequest(NamedTuple):
 
 class SchedulerOutput(NamedTuple):
     scheduled: tuple[ScheduledRequest, ...]
+    # The tokens of every row (the sum of their token_ids' lengths): staging reads it as such.
     num_batched_tokens: int
     # Requests that left the running set since the last step: the runner drops per-request
     # state for finished ones; preempted ones keep their sampler state (they resume).

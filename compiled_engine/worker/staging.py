@@ -220,7 +220,7 @@ class StagingSlot:
         bitmasks, draft_counts = columns[7:9]
         rows = batch.update(step, (request_ids, block_lists))
         starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
-        num_tokens = sum(map(len, token_lists))
+        num_tokens = step.num_batched_tokens  # the tokens of every row
         decode_only = num_tokens == num_seqs  # one token per request: most steps
         # Most steps take the decode-only shortcuts below: each numpy call they skip costs about
         # a microsecond, which at one request is most of what staging costs.
