@@ -8,11 +8,15 @@ real text from a fixed table, no sampling maths). What a step then costs is the 
 schedule + stage + load + sampling bookkeeping + update + outputs.
 
     python -m bench.null_model [--running 1 64 256] [--steps 200] [--output-kind KIND ...]
-                               [--profile cprofile.out]
+                               [--profile cprofile.out] [--phases]
 
 `--output-kind` sets the requests' `SamplingParams.output_kind`: `final_only` is what
 `LLM.generate` asks of the engine, `delta` what the server's engine asks, `cumulative` the
 engine's default for a direct `LLMEngine` user (every step a snapshot of every request's tokens).
+
+`--phases` also reports the median wall time of each stage of a step: the scheduler's `schedule`
+and `update`, the runner's `launch` (staging, loading, the null graph and sampler) and `collect`,
+and the output processor's `process`.
 
 `bench/test_host_overhead.py` times the same steps under pytest-benchmark.
 """
@@ -203,6 +207,46 @@ def time_steps(engine: LLMEngine, num_steps: int) -> tuple[list[float], list[flo
     return wall, cpu
 
 
+# The stages of a step `--phases` times: (what owns it, its method).
+PHASES = (
+    ("scheduler", "schedule"),
+    ("runner", "launch"),
+    ("runner", "collect"),
+    ("scheduler", "update"),
+    ("output_processor", "process"),
+)
+
+
+@contextlib.contextmanager
+def timed_phases(engine: LLMEngine) -> Iterator[dict[str, list[float]]]:
+    """Wall seconds of every call of each stage in PHASES while inside (the engine's own methods,
+    wrapped on the instances and restored after)."""
+    owners = {
+        "scheduler": engine.core.scheduler,
+        "runner": engine.model_runner,
+        "output_processor": engine.output_processor,
+    }
+    seconds: dict[str, list[float]] = {name: [] for _, name in PHASES}
+
+    def timed(real, calls: list[float]):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                calls.append(time.perf_counter() - started)
+
+        return call
+
+    for owner, name in PHASES:
+        setattr(owners[owner], name, timed(getattr(owners[owner], name), seconds[name]))
+    try:
+        yield seconds
+    finally:
+        for owner, name in PHASES:
+            delattr(owners[owner], name)  # the instance attribute goes: the class's method again
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, nargs="+", default=[1, 64, 256])
@@ -214,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[kind.value for kind in RequestOutputKind],
     )
     parser.add_argument("--profile", help="write a cProfile of the timed steps to this file")
+    parser.add_argument("--phases", action="store_true", help="also report each stage's median wall time")
     args = parser.parse_args(argv)
     if args.steps > MAX_TOKENS - WARMUP_STEPS:
         parser.error(f"--steps must be at most {MAX_TOKENS - WARMUP_STEPS}: the requests end after that")
@@ -226,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 profiler = cProfile.Profile()
                 profiler.enable()
-            wall, cpu = time_steps(engine, args.steps)
+            with timed_phases(engine) if args.phases else contextlib.nullcontext() as phases:
+                wall, cpu = time_steps(engine, args.steps)
             if args.profile:
                 profiler.disable()
                 profiler.dump_stats(f"{args.profile}.{num_running}.{kind}")
@@ -235,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"ms/step (min {min(wall) * 1e3:.3f}), thread CPU median "
                 f"{statistics.median(cpu) * 1e3:.3f} ms/step (min {min(cpu) * 1e3:.3f}), {len(wall)} steps"
             )
+            if phases is not None:
+                print(
+                    "      stages, median ms: "
+                    + ", ".join(
+                        f"{name} {statistics.median(calls) * 1e3:.3f}"
+                        for name, calls in phases.items()
+                        if calls
+                    )
+                )
             stop_all(engine, request_ids)
     return 0
 
