@@ -115,3 +115,23 @@ def test_a_row_takes_only_the_blocks_its_request_gained():
     batch.block_table[0, 0] = -5  # a write of the whole list would put 7 back
     batch.update(SchedulerOutput((_decode("a", 4, (7, 3)),), 1, (), ()))
     assert batch.block_table[0, :2].tolist() == [-5, 3] and batch.num_blocks[0] == 2
+
+
+def test_the_same_requests_again_reuse_their_rows_until_a_row_comes_or_goes():
+    """A step scheduling the same requests in the same order as the one before gets the same rows
+    without looking them up; a departure (finished, preempted, removed, cleared) or a new row in
+    between makes the next step look them up again, so a freed row is never handed out stale."""
+    batch = PersistentBatch(max_rows=3, max_blocks_per_seq=4)
+    first = batch.update(SchedulerOutput((_decode("a", 3, (7,)), _decode("b", 3, (8,))), 2, (), ()))
+    again = batch.update(SchedulerOutput((_decode("a", 4, (7,)), _decode("b", 4, (8,))), 2, (), ()))
+    assert again is first and not again.flags.writeable  # reused, and never written through
+    # "a" finishes and comes back as a new request under the same id: the ids repeat, but its row
+    # was freed and made again (its new blocks written, not the old row's kept).
+    back = batch.update(SchedulerOutput((_decode("a", 3, (5,)), _decode("b", 5, (8,))), 2, (), ("a",)))
+    assert back is not first
+    assert batch.block_table[back, :1].tolist() == [[5], [8]]
+    for forget in (lambda: batch.remove(["b"]), batch.clear):
+        before = batch.update(SchedulerOutput((_decode("a", 3, (5,)), _decode("b", 3, (8,))), 2, (), ()))
+        forget()
+        after = batch.update(SchedulerOutput((_decode("a", 3, (5,)), _decode("b", 3, (8,))), 2, (), ()))
+        assert after is not before and batch.block_table[after, :1].tolist() == [[5], [8]]

@@ -43,6 +43,7 @@ def test_the_newest_token_follows_the_prompt_then_every_output_in_owner_and_repl
     replica.extend_replica([8, 9])
     assert replica.newest_token_id == 9 and replica.num_tokens == 6
     assert pickle.loads(pickle.dumps(TokenHistory([5]))).newest_token_id == 5
+    assert history.num_prompt_tokens == replica.num_prompt_tokens == 3  # kept for the decode row
 
 
 def test_the_scheduler_appends_to_the_requests_history():

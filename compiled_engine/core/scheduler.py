@@ -635,7 +635,7 @@ class Scheduler:
                         blocks,
                         True,  # it samples
                         request.sampling_params,
-                        num_tokens - len(history.prompt_token_ids) + pending,  # outputs, owed ones too
+                        num_tokens - history.num_prompt_tokens + pending,  # outputs, owed ones too
                         None,  # grammar_bitmask
                         0,  # num_draft_tokens
                         None,  # proposal_bitmasks

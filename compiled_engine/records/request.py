@@ -41,6 +41,7 @@ class TokenHistory:
         "is_replica",
         "num_tokens",
         "newest_token_id",
+        "num_prompt_tokens",
     )
 
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
@@ -48,9 +49,10 @@ class TokenHistory:
         self._output_token_ids: list[int] = []
         self._prompt_array: np.ndarray | None = None
         self.is_replica = False
-        # Prompt plus outputs, and the last of them, kept with them (read for every running request
-        # every step: the scheduler's decode row feeds the newest token).
-        self.num_tokens = len(self.prompt_token_ids)
+        # Prompt plus outputs, the last of them, and the prompt's length, kept with them (read for
+        # every running request every step: the scheduler's decode row feeds the newest token and
+        # counts the outputs).
+        self.num_tokens = self.num_prompt_tokens = len(self.prompt_token_ids)
         self.newest_token_id = self.prompt_token_ids[-1] if self.prompt_token_ids else -1
 
     @property
@@ -100,7 +102,8 @@ class TokenHistory:
     def __setstate__(self, state: tuple[tuple[int, ...], list[int]]) -> None:
         self.prompt_token_ids, outputs = state
         self._output_token_ids = list(outputs)
-        self.num_tokens = len(self.prompt_token_ids) + len(self._output_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens + len(self._output_token_ids)
         self._set_newest()
         self._prompt_array = None
         self.is_replica = True
