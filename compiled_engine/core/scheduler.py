@@ -582,9 +582,9 @@ class Scheduler:
 
         A loop of its own because at 256 running requests it is most of a step's scheduling: each
         check it leaves out (prompt chunks, proposals, preemption) was a branch per row; the row
-        is built inline (a call per row was a tenth of the loop), and its blocks are read from
-        the cache manager's `owned_blocks`, with a `blocks_for` call only when the next token
-        needs a new block (the call on every row was a fifth of the loop)."""
+        is built inline rather than by a method call, and its blocks are read from the cache
+        manager's `owned_blocks`, with a `blocks_for` call only when the next token needs a new
+        block (every 16th step of a request at block size 16)."""
         blocks_for = self._kv_cache_manager.blocks_for
         owned_blocks = self._kv_cache_manager.owned_blocks
         caching = self._config.enable_prefix_caching
