@@ -294,22 +294,13 @@ class Scheduler:
             request = running[index]
             pending = request.num_pending_outputs
             history = request.history
-            if depth > 1 and (pending or max_seqs_this_step <= len(scheduled)):
-                index += 1  # its token lands with a step in flight; or this step has its share
-                continue
-            # (max_num_tokens is prompt + max_tokens, at most max_model_len: see update.)
-            if pending and history.num_tokens + pending >= request.max_num_tokens:
-                index += 1  # ends by length once its owed tokens land: no step is spent on it
-                continue
-            if pending and request.grammar is not None:
-                index += 1  # its next grammar mask needs the token a step in flight is sampling
-                continue
-            can_speculate = speculating and self._can_speculate(request)
-            if pending and (can_speculate or request.has_proposals_in_flight):
-                # Its proposals need the token a step in flight is sampling; or that step verifies
-                # proposals, and how many tokens it keeps is not known yet.
+            if pending and self._waits_for_owed_tokens(request, pending, speculating):
                 index += 1
                 continue
+            if depth > 1 and max_seqs_this_step <= len(scheduled):
+                index += 1  # this step has its share
+                continue
+            can_speculate = speculating and self._can_speculate(request)
             start = request.num_computed_tokens + request.num_in_flight_tokens
             num_known = history.num_tokens + pending - start
             if num_known <= 0:
@@ -599,13 +590,7 @@ class Scheduler:
             history = request.history
             num_tokens = history.num_tokens
             if pending:
-                if (
-                    pipelined  # its token lands with a step in flight
-                    or num_tokens + pending >= request.max_num_tokens  # ends by length when it lands
-                    or request.grammar is not None  # its next mask needs that token
-                    or request.has_proposals_in_flight  # how many tokens it keeps is not known yet
-                    or (speculating and self._can_speculate(request))  # its proposals need it
-                ):
+                if self._waits_for_owed_tokens(request, pending, speculating):
                     index += 1
                     continue
             elif pipelined and max_seqs <= len(scheduled):
@@ -652,6 +637,20 @@ class Scheduler:
             budget -= 1
             index += 1
         return index, budget
+
+    def _waits_for_owed_tokens(self, request: Request, pending: int, speculating: bool) -> bool:
+        """Whether a running request that owes `pending` tokens (sampled by steps in flight) is
+        skipped until they land. The one rule both running loops of `schedule` apply."""
+        return (
+            self._config.pipeline_depth > 1  # pipelined: its token lands with a step in flight
+            # Ends by length once its owed tokens land: no step is spent on it (max_num_tokens is
+            # prompt + max_tokens, at most max_model_len: see update).
+            or request.history.num_tokens + pending >= request.max_num_tokens
+            or request.grammar is not None  # its next grammar mask needs the owed token
+            # A step in flight verifies its proposals: how many tokens it keeps is not known yet.
+            or request.has_proposals_in_flight
+            or (speculating and self._can_speculate(request))  # its proposals need the owed token
+        )
 
     def _speculating(self) -> bool:
         """Whether this step proposes tokens at all: speculation is on and few enough requests run
