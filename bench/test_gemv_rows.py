@@ -11,15 +11,25 @@ k = 4 runs its linears at 5 rows, padded to the 8-row bucket. The kernel is call
 with its arguments built once, `CALLS` calls a timed round, on the machine's threads. The dot
 path at many rows is what the GEMV cost before the tile path; the GEMV policy
 (graphs/gemv_policy.py) decides per bucket whether either beats oneDNN's GEMM.
+
+`test_tiles_against_onednn`: past 16 rows, the tile path against oneDNN's GEMM over its packed
+weights (`compiled_engine::onednn_linear`, what the buckets run otherwise), on every linear of
+bench-small (bench/models.py: 6 layers' q/k/v, o, gate/up and down, and the LM head; 39 MB of
+bf16, more than L2), at 16 to 128 rows. The two alternate pass by pass; each one's median pass
+and the tiles' over oneDNN's are printed and kept in extra_info.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import pytest
 import torch
 
 from compiled_engine.kernels import cpu_gemv
 from compiled_engine.kernels.cpu_attention_build import compiler
+from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear_available
 
 SHAPES = {"lm_head": (4096, 256), "gate_up": (1408, 256), "down": (256, 704)}
 CALLS = {"full": 200, "quick": 100, "smoke": 2}
@@ -60,3 +70,64 @@ def test_gemv_rows(benchmark, request, path, rows, shape):
     benchmark.group = f"GEMV {shape} {out_features}x{in_features} bf16, {rows} rows ({calls} calls)"
     benchmark.extra_info.update(path=path, rows=rows, shape=shape, calls=calls)
     benchmark.pedantic(loop, rounds=ROUNDS[profile], iterations=1)
+
+
+# bench-small's linears (bench/models.py): (out_features, in_features), fused as the graphs run them.
+BENCH_SMALL_LAYER = ((1024, 512), (512, 512), (2816, 512), (512, 1408))
+BENCH_SMALL_LAYERS = 6
+BENCH_SMALL_HEAD = (4000, 512)
+MANY_ROWS = (16, 24, 32, 48, 64, 96, 128)
+PASSES = {"full": 15, "quick": 7, "smoke": 1}
+
+
+@pytest.mark.skipif(not onednn_linear_available(torch.bfloat16), reason="oneDNN cannot run bf16 here")
+@pytest.mark.parametrize("rows", MANY_ROWS)
+def test_tiles_against_onednn(benchmark, request, rows):
+    profile = request.config._bench_sizes.profile
+    generator = torch.Generator().manual_seed(rows)
+    shapes = [*BENCH_SMALL_LAYER * BENCH_SMALL_LAYERS, BENCH_SMALL_HEAD]
+    weights = [torch.randn(o, i, generator=generator).to(torch.bfloat16) for o, i in shapes]
+    xs = [torch.randn(rows, i, generator=generator).to(torch.bfloat16) for _, i in shapes]
+    outs = [torch.empty(rows, o, dtype=torch.bfloat16) for o, _ in shapes]
+    kernel, threads = cpu_gemv.load().ce_cpu_gemv, torch.get_num_threads()
+    tile_args = []
+    for x, w, out in zip(xs, weights, outs, strict=True):
+        entry = cpu_gemv.PACKED_GEMV_WEIGHTS.get(w)
+        out_features, in_features = w.shape
+        isa = cpu_gemv.ISA_AMX_TILES
+        tile_args.append((x.data_ptr(), in_features, rows, entry.packed_ptr, None, out.data_ptr(),
+                          in_features, out_features, entry.dtype_code, isa, threads))  # fmt: skip
+        PACKED_WEIGHTS.get(w)  # oneDNN's packed copy, made before timing as a warm engine has it
+    onednn = torch.ops.compiled_engine.onednn_linear
+
+    def tiles_pass() -> None:
+        for args in tile_args:
+            kernel(*args)
+
+    def onednn_pass() -> None:
+        for x, w in zip(xs, weights, strict=True):
+            onednn(x, w, None)
+
+    tiles_pass()
+    # The last layer's down projection and the LM head.
+    for x, w, out in zip(xs[-2:], weights[-2:], outs[-2:], strict=True):
+        torch.testing.assert_close(out.float(), onednn(x, w, None).float(), rtol=2e-2, atol=2e-1)
+    onednn_pass()
+    times: dict[str, list[float]] = {"tiles": [], "onednn": []}
+
+    def one_round() -> None:
+        for name, run in (("tiles", tiles_pass), ("onednn", onednn_pass)):
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+
+    benchmark.group = f"bench-small's linears, bf16, {rows} rows: tiles and oneDNN interleaved"
+    benchmark.pedantic(one_round, rounds=PASSES[profile], iterations=1)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    ratio = medians["tiles"] / medians["onednn"]
+    benchmark.extra_info.update(
+        rows=rows, tiles_median_s=medians["tiles"], onednn_median_s=medians["onednn"],
+        tiles_over_onednn=ratio, threads=threads,
+    )  # fmt: skip
+    tiles_ms, onednn_ms = medians["tiles"] * 1e3, medians["onednn"] * 1e3
+    print(f"\n{rows} rows: tiles {tiles_ms:.3f} ms, oneDNN {onednn_ms:.3f} ms, {ratio:.2f}x")

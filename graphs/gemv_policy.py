@@ -58,15 +58,15 @@ the weights and tie within noise, and a tie must not hand the compute-bound rows
 (2 threads, fp32) the packed form took 2.69 ms where `F.linear` took 5.76 at 8 rows, and won from
 4 rows up (docs/performance.md).
 
-Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a
-row; a bf16 kernel with AMX tiles starts its count again at the tiles' first row count, where
-it becomes another kernel) the hand-written C++ GEMV (kernels/cpu_gemv.py, its weights packed
-before timing) is timed too, on the finished inputs as torch's GEMM is (it runs the same
-prologue once). A row count runs it (`kernel_rows`) where its fastest call beats both GEMM forms,
-and the lowering
-then has to beat it by _MIN_SPEEDUP as it has to beat the GEMMs. On bench-small's linears (bf16,
-2 threads, 1 row, a loaded machine) its fastest call took 2.05 ms against 15.5 (oneDNN), 20.6
-(`F.linear`) and 30.6 (the lowering); docs/performance.md has the rest.
+Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a row; a
+bf16 kernel with AMX tiles starts its count again at the tiles' first row count, where it
+becomes another kernel, and is timed up to _MAX_TILE_ROWS) the hand-written C++ GEMV
+(kernels/cpu_gemv.py, its weights packed before timing) is timed too, on the finished inputs as
+torch's GEMM is (it runs the same prologue once). A row count runs it (`kernel_rows`) where its
+fastest call beats both GEMM forms, and the lowering then has to beat it by _MIN_SPEEDUP as it
+has to beat the GEMMs. On bench-small's linears (bf16, 2 threads, 1 row, a loaded machine) its
+fastest call took 2.05 ms against 15.5 (oneDNN), 20.6 (`F.linear`) and 30.6 (the lowering);
+docs/performance.md has the rest.
 """
 
 from __future__ import annotations
@@ -120,9 +120,12 @@ _MIN_SPEEDUP = 1.1
 # (a bench-small bf16 engine here recorded 1.17/1.23 ms torch/packed at 4 rows and 1.29/1.30
 # at 8, so its 64-row bucket ran torch's GEMM; docs/performance.md, session 14).
 _PACKED_TIE = 1.1
-# Row counts above this never time (or run) the C++ GEMV: past its AMX tile path's 16 rows it
-# re-reads the weight per 4 rows, and oneDNN's GEMM takes over well before.
+# Row counts above these never time (or run) the C++ GEMV. Its dot path re-reads the weight per 4
+# rows, and oneDNN's GEMM takes over well before 16. Its AMX tile path (bf16) reads the weight once
+# for every row; on bench-small's linears here it beat oneDNN's GEMM up to 32 rows, tied at 48 and
+# lost from 64 (docs/performance.md, "The GEMV's tile path past 16 rows").
 _MAX_KERNEL_ROWS = 16
+_MAX_TILE_ROWS = 48
 # A median this far above the fastest call means other work competed for the cores.
 _NOISY_SPREAD = 1.5
 # Linears in one measured set (see the module docstring); a shape the model has once still
@@ -459,11 +462,9 @@ def measure_gemv_rows(
     kernel_losses_in_a_row = 0
     # From TILE_MIN_ROWS on, a bf16 kernel on a CPU with AMX runs its tile path: another kernel,
     # which its dot path's losses at fewer rows say nothing about.
-    tiles_from = (
-        TILE_MIN_ROWS
-        if kernel_available and dtype == torch.bfloat16 and gemv_isa() >= ISA_AMX_TILES
-        else None
-    )
+    tiles = kernel_available and dtype == torch.bfloat16 and gemv_isa() >= ISA_AMX_TILES
+    tiles_from = TILE_MIN_ROWS if tiles else None
+    max_kernel_rows = _MAX_TILE_ROWS if tiles else _MAX_KERNEL_ROWS
     # The GEMM form that won the last unlowered rows (packed or not), and how many in a row.
     gemm_form, form_wins_in_a_row = False, 0
     for rows in rows_to_try:
@@ -471,7 +472,7 @@ def measure_gemv_rows(
             kernel_losses_in_a_row, tiles_from = 0, None
         lowering_in_play = gemm_wins_in_a_row < _GEMM_WINS_TO_STOP
         kernel_in_play = (
-            kernel_available and rows <= _MAX_KERNEL_ROWS and kernel_losses_in_a_row < _GEMM_WINS_TO_STOP
+            kernel_available and rows <= max_kernel_rows and kernel_losses_in_a_row < _GEMM_WINS_TO_STOP
         )
         if (
             not lowering_in_play

@@ -19,7 +19,7 @@
 // Paths (`isa`): 3 = AVX-512 BF16 (`_mm512_dpbf16_ps` for bf16 weights, else as 2); 2 = AVX-512F,
 // bf16 widened to float32 by shifting its bits; 1 = AVX2 + FMA + F16C (the same maths 8 features a
 // register, see the AVX2 section); 0 = plain C++ loops over the same layout. 4 = as 3, plus AMX
-// tiles for bf16 weights and activations at 4 to 16 rows (the tile section says why and when).
+// tiles for bf16 weights and activations from 4 rows (the tile section says why and when).
 // The caller picks the best this CPU has; tests force the others. Intrinsics sit in functions
 // with `target` attributes, so the file builds on any x86-64 compiler whatever -march=native says.
 
@@ -381,16 +381,20 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
   block_portable(p, block, row0, nrows);
 }
 
-// ---- AMX tiles: bf16 at 4 to 16 rows ---------------------------------------------------------
+// ---- AMX tiles: bf16 from 4 rows -------------------------------------------------------------
 //
 // Past one row the GEMV's multiply-adds, not its bytes, are the cost: vdpbf16ps does 32 of them
 // an instruction per row, so 8 rows took ~6x one row's time on the embedded model's LM head
 // (bench/test_gemv_rows.py, docs/performance.md), where each weight is still read once. A
 // TDPBF16PS does 16 rows x 32 inputs x 16 outputs, so 16 rows cost about what 4 do. The packed
-// bf16 layout is already the B tile's (pairs of inputs per output, [k/2][64][2]): a step's four
-// B tiles (16 input pairs x 16 outputs each) load straight from it with a 256-byte stride. The A
-// tile is the rows' bf16 activations, padded with zero rows to 16. Inputs must come in whole
-// steps of 32 (so no tile reads past a block's inputs), which real models' widths are; other
+// bf16 layout is already the B tile's (pairs of inputs per output, [k/2][64][2]): B tiles (16
+// input pairs x 16 outputs each) load straight from it with a 256-byte stride. The A tiles are the
+// rows' bf16 activations, padded with zero rows to whole tiles. Up to 16 rows, one A tile meets a
+// step's four B tiles (block_tiles_16); past 16, 32 rows at a time meet half a block's outputs,
+// two A and two B tiles a step into four C tiles (block_tiles_32): a tile load per multiply, where
+// one A and four B tiles make five loads per four. Each block of 64 outputs runs all its rows
+// before the next, so its weights come from memory once and from L2 after. Inputs must come in
+// whole steps of 32 (so no tile reads past a block's inputs), which real models' widths are; other
 // shapes and float32 / float16 keep the paths above.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define CE_GEMV_AMX 1
@@ -408,11 +412,11 @@ using ce_amx::TileConfig;
 
 // finish_block for the tile path (bf16 outputs), 16 outputs a vector: the scalar one, at a few
 // nanoseconds an output, cost more than the tiles' multiply-adds at 16 rows.
-CE_AMX void finish_block_bf16(const Problem& p, int64_t block, int nrows, const float* acc) {
+CE_AMX void finish_block_bf16(const Problem& p, int64_t block, int64_t row0, int nrows, const float* acc) {
   const int64_t first = block * kBlock;
   const int64_t count = std::min(kBlock, p.out_features - first);
   for (int r = 0; r < nrows; ++r) {
-    uint16_t* out_row = static_cast<uint16_t*>(p.out) + r * p.out_features + first;
+    uint16_t* out_row = static_cast<uint16_t*>(p.out) + (row0 + r) * p.out_features + first;
     for (int64_t f = 0; f < count; f += 16) {
       const __mmask16 mask = count - f >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - f)) - 1);
       __m512 v = _mm512_loadu_ps(acc + r * kBlock + f);
@@ -425,18 +429,20 @@ CE_AMX void finish_block_bf16(const Problem& p, int64_t block, int nrows, const 
   }
 }
 
-// One block of 64 outputs for every row: C0..C3 (16 outputs each) += A x B over the inputs.
-CE_AMX void block_tiles(const Problem& p, const uint16_t* x_tiles, int64_t block) {
+// One block of 64 outputs for 16 rows (one A tile) from `row0`: C0..C3 (16 outputs each) += A x B
+// over the inputs.
+CE_AMX void block_tiles_16(const Problem& p, const uint16_t* x_tiles, int64_t block, int64_t row0) {
   const int64_t k_count = p.k_padded;
   const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock;
   constexpr int64_t kRowBytes = 2 * kBlock * 2;  // one input pair of the block: 64 outputs x 2 bf16
+  const uint16_t* a = x_tiles + row0 * k_count;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k0 = 0; k0 < k_count; k0 += kTileK) {
     const uint16_t* b = w + (k0 / 2) * 2 * kBlock;  // this step's 16 input pairs
-    _tile_loadd(4, x_tiles + k0, k_count * 2);
+    _tile_loadd(4, a + k0, k_count * 2);
     _tile_loadd(5, b, kRowBytes);
     _tile_loadd(6, b + 32, kRowBytes);
     _tile_dpbf16ps(0, 4, 5);
@@ -451,7 +457,53 @@ CE_AMX void block_tiles(const Problem& p, const uint16_t* x_tiles, int64_t block
   _tile_stored(1, sums + 16, kBlock * 4);
   _tile_stored(2, sums + 32, kBlock * 4);
   _tile_stored(3, sums + 48, kBlock * 4);
-  finish_block_bf16(p, block, static_cast<int>(p.rows), sums);
+  finish_block_bf16(p, block, row0, static_cast<int>(std::min<int64_t>(kTileRows, p.rows - row0)), sums);
+}
+
+// 32 rows x 32 outputs (half `half` of a block) from `row0`: C0 = rows 0-15 x outputs 0-15, C1 =
+// rows 0-15 x 16-31, C2, C3 the next 16 rows; two A and two B tiles a step.
+CE_AMX void block_tiles_32(const Problem& p, const uint16_t* x_tiles, int64_t block, int64_t row0, int half,
+                           float* sums) {
+  const int64_t k_count = p.k_padded;
+  const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock + half * 64;
+  constexpr int64_t kRowBytes = 2 * kBlock * 2;
+  const uint16_t* a0 = x_tiles + row0 * k_count;
+  const uint16_t* a1 = a0 + kTileRows * k_count;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < k_count; k0 += kTileK) {
+    const uint16_t* b = w + (k0 / 2) * 2 * kBlock;
+    _tile_loadd(4, a0 + k0, k_count * 2);
+    _tile_loadd(6, b, kRowBytes);
+    _tile_loadd(7, b + 32, kRowBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a1 + k0, k_count * 2);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  // sums: [32 rows][64 outputs]; this half's 32 outputs.
+  _tile_stored(0, sums + half * 32, kBlock * 4);
+  _tile_stored(1, sums + half * 32 + 16, kBlock * 4);
+  _tile_stored(2, sums + kTileRows * kBlock + half * 32, kBlock * 4);
+  _tile_stored(3, sums + kTileRows * kBlock + half * 32 + 16, kBlock * 4);
+}
+
+// One block of 64 outputs for every row: 32 rows at a time, both halves of the block
+// (block_tiles_32; the last 32 may run into the zero rows that pad x to whole 32s), and 16 or
+// fewer rows past whole 32s on one A tile (block_tiles_16). (Each half block for 64 rows before
+// the other half, to meet its weights in L1 the second time, measured no faster.)
+CE_AMX void block_tiles(const Problem& p, const uint16_t* x_tiles, int64_t block) {
+  int64_t row0 = 0;
+  for (; p.rows - row0 > kTileRows; row0 += 2 * kTileRows) {
+    alignas(64) float sums[2 * kTileRows * kBlock];
+    block_tiles_32(p, x_tiles, block, row0, 0, sums);
+    block_tiles_32(p, x_tiles, block, row0, 1, sums);
+    finish_block_bf16(p, block, row0, static_cast<int>(std::min<int64_t>(2 * kTileRows, p.rows - row0)), sums);
+  }
+  if (row0 < p.rows) block_tiles_16(p, x_tiles, block, row0);
 }
 
 CE_AMX void run_tiles(const Problem& p, const uint16_t* x_tiles, int64_t blocks, int threads) {
@@ -485,10 +537,12 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
   // (the pairs vdpbf16ps broadcasts) for the dot path.
   const bool dot = dtype == kBFloat16 && isa >= 3;
 #ifdef CE_GEMV_AMX
-  const bool tiles = dot && isa >= 4 && rows >= kMinTileRows && rows <= kTileRows &&
-                     in_features % kTileK == 0 && amx_permitted();
-  // The tile path's A tile is a whole 16 rows (zero rows past `rows`); the others take `rows`.
-  const int64_t x_rows = tiles ? kTileRows : rows;
+  const bool tiles = dot && isa >= 4 && rows >= kMinTileRows && in_features % kTileK == 0 && amx_permitted();
+  // The tile path's A tiles are whole: 16 rows, or past 16 whole 32s (zero rows past `rows`); the
+  // others take `rows`.
+  const int64_t x_rows = !tiles ? rows
+                         : rows <= kTileRows ? kTileRows
+                                             : (rows + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
 #else
   const int64_t x_rows = rows;
 #endif

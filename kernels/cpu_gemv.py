@@ -50,7 +50,7 @@ BLOCK = 64
 # Instruction-set paths of the kernel (`isa` in the .cpp), best last: a CPU that runs one runs every
 # one before it.
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
-# The GEMV's path above them: AVX-512 BF16 plus AMX tiles for bf16 at 4 to 16 rows (the .cpp's tile
+# The GEMV's path above them: AVX-512 BF16 plus AMX tiles for bf16 from 4 rows (the .cpp's tile
 # section). The GEMV alone runs it (`gemv_isa`); `best_isa` stays the instruction sets the other
 # kernels share.
 ISA_AMX_TILES = 4

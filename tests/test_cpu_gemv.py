@@ -87,13 +87,14 @@ def test_the_bf16_paths_agree_with_each_other() -> None:
 
 @pytest.mark.skipif(gemv_isa() < ISA_AMX_TILES, reason="no AMX tiles here")
 @pytest.mark.parametrize("in_features", [64, 96, 256])
-def test_the_amx_tile_path_at_4_to_16_rows(in_features) -> None:
-    """bf16 at 4 to 16 rows and inputs in whole steps of 32 run on tiles (fewer rows, 17 rows and
-    other widths keep the dot path): every row count against F.linear and against the dot path."""
+def test_the_amx_tile_path_from_4_rows(in_features) -> None:
+    """bf16 from 4 rows with inputs in whole steps of 32 runs on tiles (fewer rows and other widths
+    keep the dot path): one A tile up to 16 rows, then 32 rows at a time with a last 16 or fewer
+    (17, 31 to 33, 47, 48, 64 and 70 rows take each mix), against F.linear and the dot path."""
     generator = torch.Generator().manual_seed(in_features)
     w = torch.randn(200, in_features, generator=generator).to(torch.bfloat16)  # a partial last block
     b = torch.randn(200, generator=generator).to(torch.bfloat16)
-    for rows in range(1, 18):
+    for rows in [*range(1, 18), 31, 32, 33, 47, 48, 64, 70]:
         x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
         tiles = cpu_gemv_linear(x, w, b, isa=ISA_AMX_TILES)
         _check(tiles, x, w, b)

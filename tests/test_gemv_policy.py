@@ -460,7 +460,8 @@ def test_the_tile_path_is_timed_after_the_dot_path_lost(monkeypatch) -> None:
             (4, 8, 16),
             [1, 2, 4, 8],
         ),
-        # One loss does not stop it; never timed above 16 rows (the tile path's most).
+        # One loss does not stop it; without AMX tiles never timed above 16 rows (the dot path's
+        # most).
         (
             {1: "kernel", 2: "gemm", 4: "kernel", 8: "kernel", 16: "kernel", 32: "kernel"},
             (1, 4, 8, 16),
@@ -476,6 +477,7 @@ def test_the_kernel_is_chosen_where_it_is_fastest(
     monkeypatch, outcomes, kernel_rows, lowered, packed, kernel_timed
 ) -> None:
     monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "gemv_isa", lambda: gemv_policy.ISA_AMX_TILES - 1)  # no tiles
     timed: list[tuple[int, bool, bool]] = []
     kernel_seen: list[int] = []
     monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, timed, kernel_seen))
@@ -485,6 +487,22 @@ def test_the_kernel_is_chosen_where_it_is_fastest(
     assert kernel_seen == kernel_timed
     assert all(decision.runs_kernel(r) == (r in kernel_rows) for r in (1, 2, 4, 8, 16))
     assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+def test_the_tile_path_is_timed_up_to_48_rows(monkeypatch) -> None:
+    """A bf16 kernel with AMX tiles reads the weight once for every row, so it stays a candidate
+    past the dot path's 16 rows: timed up to 48 rows and chosen where it won, never timed at 64."""
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "cpu_gemv_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "gemv_isa", lambda: gemv_policy.ISA_AMX_TILES)
+    outcomes = {1: "kernel", 4: "kernel", 16: "kernel", 24: "packed", 32: "kernel", 48: "kernel"}
+    outcomes[64] = "kernel"
+    kernel_seen: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, [], kernel_seen))
+    decision = measure_gemv_rows(SMALL_SHAPES, sorted(outcomes), torch.bfloat16, "cpu")
+    assert kernel_seen == [1, 4, 16, 24, 32, 48]
+    assert decision.kernel_rows == (1, 4, 16, 32, 48)
+    assert not decision.runs_kernel(64) and not decision.runs_kernel(24)
 
 
 def test_a_real_measurement_picks_the_kernel_only_where_it_was_faster() -> None:
