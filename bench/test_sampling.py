@@ -1,9 +1,10 @@
 """The sampler's draw at a serving batch: one uniform number per row through the cumulative
 distribution (ours, worker/sampler.py) vs the exponential race, argmax(probs / E) with one
 E ~ Exp(1) per vocabulary entry (vLLM's draw, and ours before), on the same probabilities.
-And the greedy pick (`test_greedy_pick`): torch's `argmax` against `max(dim=-1).indices`, what
-worker/sampler.py's `greedy_tokens_of` uses on the CPU, over bf16 logits (the graphs' output
-dtype in a bf16 model) at bench-small's 64 rows x 4,000 and one Qwen2.5 row of 151,936.
+And the greedy pick (`test_greedy_pick`): torch's `argmax`, `max(dim=-1).indices` (which
+worker/sampler.py's `greedy_tokens_of` used on the CPU before) and the C++ pick it uses now
+(kernels/cpu_greedy.py), over bf16 logits (the graphs' output dtype in a bf16 model) at
+bench-small's 64 and 256 rows x 4,000 and one Qwen2.5 row of 151,936.
 
     python -m pytest bench/test_sampling.py -q --benchmark-columns=median,min,rounds
 
@@ -17,8 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_engine.kernels.cpu_greedy import greedy_kernel_available, greedy_pick
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, greedy_tokens_of, target_probs
+from compiled_engine.worker.sampler import SamplingTensors, categorical_draw, target_probs
 
 ROWS = {"full": 256, "quick": 256, "smoke": 4}
 VOCABS = (4096, 151_936)
@@ -50,11 +52,22 @@ def test_sampling_draw(benchmark, request, draw, vocab):
     benchmark.extra_info.update(draw=draw, rows=rows, vocab=vocab, threads=torch.get_num_threads())
 
 
-@pytest.mark.parametrize("shape", [(64, 4000), (1, 151_936)], ids=["64x4000", "1x151936"])
-@pytest.mark.parametrize("pick", ["argmax", "max-indices"])
+PICKS = {
+    "argmax": lambda logits: logits.argmax(dim=-1),
+    "max-indices": lambda logits: logits.max(dim=-1).indices,
+    "kernel": greedy_pick,
+}
+
+
+@pytest.mark.parametrize(
+    "shape", [(64, 4000), (256, 4000), (1, 151_936)], ids=["64x4000", "256x4000", "1x151936"]
+)
+@pytest.mark.parametrize("pick", list(PICKS))
 def test_greedy_pick(benchmark, request, pick, shape):
+    if pick == "kernel" and not greedy_kernel_available():
+        pytest.skip("no C++ compiler: the kernel cannot be built")
     logits = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    fn = (lambda: logits.argmax(dim=-1)) if pick == "argmax" else (lambda: greedy_tokens_of(logits))
+    fn = lambda: PICKS[pick](logits)  # noqa: E731
     benchmark.group = f"greedy pick, bf16 {shape[0]} x {shape[1]}"
     calls = 2 if request.config._bench_sizes.profile == "smoke" else 100
     tokens = benchmark.pedantic(lambda: [fn() for _ in range(calls)][-1], rounds=10, warmup_rounds=1)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from compiled_engine.kernels.cpu_greedy import GREEDY_DTYPES, greedy_kernel_available, greedy_pick
 from compiled_engine.sampling_params import SamplingParams
 
 # Goes into the compile-cache key of anything that captures the sampler.
@@ -314,11 +315,16 @@ class Sampler:
 def greedy_tokens_of(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)`: the first index of each row's largest value (of its first NaN).
 
-    On the CPU through `max(dim=-1).indices`, which returns the same indices (ties and NaN
-    included; tests/test_sampler.py) in a fraction of torch's CPU argmax's time over bf16
-    logits (bench/test_sampling.py, docs/performance.md).
+    On the CPU through kernels/cpu_greedy.py's C++ pick where it builds, else through
+    `max(dim=-1).indices`; both return argmax's indices (ties and NaN included;
+    tests/test_sampler.py, tests/test_cpu_greedy.py), in a fraction of torch's CPU argmax's time
+    over bf16 logits, the kernel in a fraction of max's (bench/test_sampling.py,
+    docs/performance.md).
     """
     if logits.device.type == "cpu":
+        takes = logits.dtype in GREEDY_DTYPES and logits.dim() == 2 and logits.shape[1] > 0
+        if takes and greedy_kernel_available():
+            return greedy_pick(logits)
         return logits.max(dim=-1).indices
     return logits.argmax(dim=-1)
 
