@@ -29,7 +29,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from compiled_engine.kernels.cpu_greedy import GREEDY_DTYPES, greedy_kernel_available, greedy_pick
+from compiled_engine.kernels.cpu_sampler import (
+    SAMPLER_DTYPES,
+    greedy_pick,
+    sampler_kernels_available,
+    temperature_draw,
+)
 from compiled_engine.sampling_params import SamplingParams
 
 # Goes into the compile-cache key of anything that captures the sampler.
@@ -301,29 +306,45 @@ class Sampler:
         if params.all_greedy and not params.changes_logits:
             return greedy_tokens_of(logits)
 
-        logits = logits.float()
         if params.changes_logits:
-            logits = process_logits(logits, params)
+            logits = process_logits(logits.float(), params)
         greedy_tokens = greedy_tokens_of(logits)
         if params.all_greedy:
             return greedy_tokens
-        probs = target_probs(logits, params)
-        sampled_tokens = categorical_draw(probs, params)
+        if _draws_in_cpp(logits, params):
+            # target_probs and categorical_draw in one C++ pass a row (kernels/cpu_sampler.py):
+            # the same uniform numbers, the same distribution.
+            uniform = uniform_noise(len(logits), logits.device, params)
+            sampled_tokens = temperature_draw(logits, params.temperature, uniform)
+        else:
+            sampled_tokens = categorical_draw(target_probs(logits.float(), params), params)
         return torch.where(params.greedy, greedy_tokens, sampled_tokens)
+
+
+def _draws_in_cpp(logits: torch.Tensor, params: SamplingTensors) -> bool:
+    """Whether the C++ temperature draw serves this step: CPU logits of a dtype it takes, and no
+    row needing min-p, top-k or top-p (which stay torch's ops)."""
+    plain = params.min_p is None and not params.needs_top_k and not params.needs_top_p
+    return (
+        plain
+        and logits.device.type == "cpu"
+        and logits.dtype in SAMPLER_DTYPES
+        and sampler_kernels_available()
+    )
 
 
 def greedy_tokens_of(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)`: the first index of each row's largest value (of its first NaN).
 
-    On the CPU through kernels/cpu_greedy.py's C++ pick where it builds, else through
+    On the CPU through kernels/cpu_sampler.py's C++ pick where it builds, else through
     `max(dim=-1).indices`; both return argmax's indices (ties and NaN included;
-    tests/test_sampler.py, tests/test_cpu_greedy.py), in a fraction of torch's CPU argmax's time
+    tests/test_sampler.py, tests/test_cpu_sampler.py), in a fraction of torch's CPU argmax's time
     over bf16 logits, the kernel in a fraction of max's (bench/test_sampling.py,
     docs/performance.md).
     """
     if logits.device.type == "cpu":
-        takes = logits.dtype in GREEDY_DTYPES and logits.dim() == 2 and logits.shape[1] > 0
-        if takes and greedy_kernel_available():
+        takes = logits.dtype in SAMPLER_DTYPES and logits.dim() == 2 and logits.shape[1] > 0
+        if takes and sampler_kernels_available():
             return greedy_pick(logits)
         return logits.max(dim=-1).indices
     return logits.argmax(dim=-1)
@@ -422,8 +443,9 @@ def categorical_draw(weights: torch.Tensor, params: SamplingTensors) -> torch.Te
     target = uniform_noise(len(weights), weights.device, params)[:, None] * total
     # The first entry whose cdf exceeds the target: its weight is > 0, as the cdf rose there.
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # u * total can round up to total itself: no entry exceeds it, so take the likeliest.
-    return torch.where(tokens < weights.shape[-1], tokens, weights.argmax(dim=-1))
+    # u * total can round up to total itself: no entry exceeds it, so take the likeliest (argmax,
+    # through greedy_tokens_of: on the CPU torch's argmax took most of the draw's time).
+    return torch.where(tokens < weights.shape[-1], tokens, greedy_tokens_of(weights))
 
 
 def uniform_noise(num_rows: int, device: torch.device, params: SamplingTensors) -> torch.Tensor:
