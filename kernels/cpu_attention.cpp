@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_exp.h"  // exp_nonpositive, exp_nonpositive16
+
 // The library is built with -march=native, so these compile-time checks are the machine's.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
@@ -103,44 +105,10 @@ inline void store(uint16_t* p, int64_t i, float v) {  // float -> bfloat16, roun
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-// exp(x) for x <= 0, vectorisable (libm's expf is not without -ffast-math, which would also
-// break the inf semantics this kernel relies on). Range reduction x = n ln2 + f, |f| <= ln2/2,
-// then a degree-6 Taylor polynomial: relative error ~1e-7. Underflows to 0 below -87.
-inline float exp_nonpositive(float x) {
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t e = static_cast<int32_t>(std::max(n, -126.0f)) + 127;
-  const uint32_t bits = static_cast<uint32_t>(e) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
+// exp(x) for x <= 0 (one value; 16 lanes with AVX-512): kernels/cpu_exp.h.
+using ce_exp::exp_nonpositive;
 #if defined(__AVX512F__)
-// exp_nonpositive for 16 lanes at once, the same steps (range reduction, degree-6 polynomial, the
-// exponent built in the bits, 0 below -87).
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_max_ps(n, _mm512_set1_ps(-126.0f))), _mm512_set1_epi32(127));
-  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), r);
-}
+using ce_exp::exp_nonpositive16;
 #endif
 
 #ifdef CE_ATTENTION_SIMD

@@ -32,13 +32,14 @@ from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 from compiled_engine.kernels.reference import _check_inputs
 from compiled_engine.kernels.source_version import files_version, module_file
 
-# Goes into compile-cache keys: a hash of the op's Python side, its build and the C++ source
-# (the numerics live there).
+# Goes into compile-cache keys: a hash of the op's Python side, its build and the C++ source with
+# the headers it includes (the numerics live there).
 CPU_ATTENTION_VERSION = files_version(
     module_file(__name__),
     module_file(cpu_attention_build.__name__),
     module_file(kv_quant.__name__),
     cpu_attention_build.SOURCE,
+    *cpu_attention_build.local_headers(cpu_attention_build.SOURCE),
     cpu_attention_build.SOURCE.with_name("cpu_ops.cpp"),
 )
 

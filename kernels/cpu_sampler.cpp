@@ -27,12 +27,19 @@
 #include <omp.h>
 #endif
 
+#include "cpu_exp.h"  // exp_nonpositive, exp_nonpositive16
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define CE_SAMPLER_AVX512 1
 #endif
 
 namespace {
+
+using ce_exp::exp_nonpositive;
+#ifdef CE_SAMPLER_AVX512
+using ce_exp::exp_nonpositive16;
+#endif
 
 enum Dtype { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
@@ -47,26 +54,6 @@ inline float load_one(const void* row, int64_t i, int dtype) {
     }
     default: return static_cast<float>(static_cast<const _Float16*>(row)[i]);
   }
-}
-
-// exp(x) for x <= 0 without libm's expf (not vectorised without -ffast-math): x = n ln2 + f,
-// |f| <= ln2 / 2, a degree-6 Taylor polynomial for exp(f) (relative error ~1e-7), 2^n built in
-// the exponent bits; 0 below -87 (and for -inf).
-inline float exp_nonpositive(float x) {
-  if (!(x > -87.0f)) return 0.0f;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float f = x - n * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // The first NaN, else the first index of the largest value (the first of equal ones: -0.0 and
@@ -122,23 +109,6 @@ inline __m512 load16(const void* row, int64_t i, int dtype) {
     default:
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const _Float16*>(row) + i)));
   }
-}
-
-// exp_nonpositive for 16 lanes: the same steps.
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
 }
 
 // The row's largest value over its whole vectors and tail; NaN if it holds one.

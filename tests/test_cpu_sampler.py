@@ -194,3 +194,32 @@ def test_the_sampler_draws_with_it_only_without_top_k_top_p_min_p(monkeypatch) -
 def test_bad_draw_input_is_named(temperature, uniform, message) -> None:
     with pytest.raises(ValueError, match=message):
         temperature_draw(torch.zeros(2, 5), temperature, uniform)
+
+
+@pytest.mark.slow  # a second build of the library: a few seconds of g++
+def test_a_build_without_avx512_picks_and_draws_alike(monkeypatch, tmp_path) -> None:
+    """Built for baseline x86-64 (no AVX-512 paths compiled in), `simd` changes nothing and the
+    plain loops answer as above."""
+    import ctypes
+    import platform
+
+    from compiled_engine.kernels import cpu_attention_build
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the baseline build is x86-64's")
+    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in cpu_attention_build.FLAGS)
+    monkeypatch.setattr(cpu_attention_build, "FLAGS", flags)
+    library = ctypes.CDLL(str(cpu_attention_build.build(tmp_path, cpu_sampler.SOURCE)))
+    cpu_sampler._declare(library)
+    assert library.ce_cpu_sampler_simd() == 0
+    logits = _rows(12, 4097, torch.bfloat16, seed=9)
+    out = torch.empty(12, dtype=torch.int64)
+    assert library.ce_cpu_greedy(logits.data_ptr(), 12, 4097, 4097, 1, 1, 2, out.data_ptr()) == 0
+    assert torch.equal(out, logits.argmax(dim=-1))
+    logits = torch.randn(12, 4097, generator=torch.Generator().manual_seed(9))
+    temperature, uniform = torch.full((12,), 0.7), torch.rand(12, generator=torch.Generator().manual_seed(10))
+    code = library.ce_cpu_temperature_draw(
+        logits.data_ptr(), 12, 4097, 4097, 0, temperature.data_ptr(), uniform.data_ptr(), 1, 2, out.data_ptr()
+    )
+    assert code == 0
+    _bracketed(logits, temperature, uniform, out)
