@@ -8,10 +8,10 @@
 //   number u per row as worker/sampler.py's `categorical_draw` draws it: the first index whose
 //   running sum of exp((x - max) / t) exceeds u times the row's total.
 //
-// Why: torch's CPU ops went through a step's logits several times at about two billion values a
-// second: `max(dim=-1)` for greedy rows took ~0.12 ms a step for 64 rows of a 4,000-token
+// Why: torch's CPU ops went through a step's logits several times at one to two billion values a
+// second: `max(dim=-1)` for greedy rows took 0.13-0.23 ms a step for 64 rows of a 4,000-token
 // vocabulary; amax, subtract, divide, softmax, cumsum and searchsorted for temperature rows took
-// ~1.7 ms for 256 (docs/performance.md). Here each row is read from L1 in a few vector passes.
+// 1.8-2.0 ms for 256 (docs/performance.md). Here each row is read from L1 in a few vector passes.
 //
 // Paths (`simd`): 1 = AVX-512 (16 values a vector; bf16 widened by shifting its bits, fp16 with
 // F16C) where the library was built with it, 0 = plain loops (CPUs without AVX-512; the tests

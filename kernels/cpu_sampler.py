@@ -1,10 +1,10 @@
 """The CPU sampler's per-row picks, through kernels/cpu_sampler.cpp: greedy rows' argmax and
 temperature rows' draw.
 
-Why: torch's CPU ops went through a step's logits several times at about two billion values a
+Why: torch's CPU ops went through a step's logits several times at one to two billion values a
 second. Greedy rows: `max(dim=-1)` (argmax's answer in a fraction of argmax's time over bf16) took
-~0.12 ms a step for 64 rows of bench-small's 4,000-token vocabulary. Temperature rows: `amax`,
-subtract, divide, `softmax`, `cumsum` and `searchsorted` took ~1.7 ms for 256 rows of 4,096
+0.13–0.23 ms a step for 64 rows of bench-small's 4,000-token vocabulary. Temperature rows: `amax`,
+subtract, divide, `softmax`, `cumsum` and `searchsorted` took 1.8–2.0 ms for 256 rows of 4,096
 (docs/performance.md, "The sampler's picks in C++"). The kernels read each row a few times in
 vector passes instead.
 
