@@ -266,7 +266,7 @@ int ce_cpu_temperature_draw(const void* logits, int64_t rows, int64_t n, int64_t
     if (!(temperature[r] > 0.0f) || std::isinf(temperature[r])) return 1;
   }
   const int threads = num_threads > 1 && rows > 1 && rows * n >= kParallelValues ? num_threads : 1;
-  // Each thread's scratch: a row's weights and its vectors' sums.
+  // Each thread's scratch: a row's weights, then its groups' sums (draw_avx512).
   std::vector<float> scratch(static_cast<size_t>(threads) * static_cast<size_t>(n + n / 16 + 1));
   for_rows(rows, n, num_threads, [&](int64_t r) {
     const void* row = static_cast<const char*>(logits) + r * row_stride * item_bytes(dtype);
