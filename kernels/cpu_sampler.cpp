@@ -43,6 +43,8 @@ using ce_exp::exp_nonpositive16;
 
 enum Dtype { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+constexpr int64_t kGroup = 64;  // weights per running-sum group of the temperature draw
+
 inline float load_one(const void* row, int64_t i, int dtype) {
   switch (dtype) {
     case kFloat32: return static_cast<const float*>(row)[i];
@@ -152,7 +154,6 @@ int64_t pick_avx512(const void* row, int64_t n, int dtype) {
 // room) with the sum of each group of kGroup beside them (sums: n / kGroup + 1 floats; one lane
 // reduction a group, not one a vector), then the running sum walks the groups' sums to the one
 // that crosses u * total and its weights one by one.
-constexpr int64_t kGroup = 64;
 
 int64_t draw_avx512(const void* row, int64_t n, int dtype, float t, float u, float* weights, float* sums) {
   const float top = row_max(row, n, dtype);
@@ -208,11 +209,18 @@ bool bad_sizes(int64_t rows, int64_t n, int64_t row_stride, int dtype, int num_t
   return rows < 0 || n < 1 || row_stride < n || dtype < 0 || dtype > 2 || num_threads < 1;
 }
 
-// f(r) for every row, on the threads when there is enough work.
+// The threads a call of `rows` rows of `n` values runs on: all of them when there is enough work,
+// else one.
+int team_size(int64_t rows, int64_t n, int num_threads) {
+  return num_threads > 1 && rows > 1 && rows * n >= kParallelValues ? num_threads : 1;
+}
+
+// f(r) for every row, on team_size's threads.
 template <typename F>
 void for_rows(int64_t rows, int64_t n, int num_threads, F f) {
-  if (num_threads > 1 && rows > 1 && rows * n >= kParallelValues) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+  const int threads = team_size(rows, n, num_threads);
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; ++r) f(r);
   } else {
     for (int64_t r = 0; r < rows; ++r) f(r);
@@ -265,16 +273,17 @@ int ce_cpu_temperature_draw(const void* logits, int64_t rows, int64_t n, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     if (!(temperature[r] > 0.0f) || std::isinf(temperature[r])) return 1;
   }
-  const int threads = num_threads > 1 && rows > 1 && rows * n >= kParallelValues ? num_threads : 1;
+  const int threads = team_size(rows, n, num_threads);
   // Each thread's scratch: a row's weights, then its groups' sums (draw_avx512).
-  std::vector<float> scratch(static_cast<size_t>(threads) * static_cast<size_t>(n + n / 16 + 1));
+  const size_t per_thread = static_cast<size_t>(n + n / kGroup + 1);
+  std::vector<float> scratch(static_cast<size_t>(threads) * per_thread);
   for_rows(rows, n, num_threads, [&](int64_t r) {
     const void* row = static_cast<const char*>(logits) + r * row_stride * item_bytes(dtype);
     int thread = 0;
 #ifdef _OPENMP
     thread = threads > 1 ? omp_get_thread_num() : 0;
 #endif
-    float* weights = scratch.data() + static_cast<size_t>(thread) * static_cast<size_t>(n + n / 16 + 1);
+    float* weights = scratch.data() + static_cast<size_t>(thread) * per_thread;
 #ifdef CE_SAMPLER_AVX512
     if (simd != 0) {
       out[r] = draw_avx512(row, n, dtype, temperature[r], uniform[r], weights, weights + n);

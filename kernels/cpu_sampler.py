@@ -64,6 +64,18 @@ def sampler_kernels_available() -> bool:
     return True
 
 
+def serves(logits: torch.Tensor) -> bool:
+    """Whether the kernels take these logits as they are: 2-D, on the CPU, of a dtype they read,
+    with a vocabulary, and the library loads here (the sampler's test before calling them)."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype in SAMPLER_DTYPES
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and sampler_kernels_available()
+    )
+
+
 @cache
 def _library() -> Any:
     return load()

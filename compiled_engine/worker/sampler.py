@@ -29,12 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from compiled_engine.kernels.cpu_sampler import (
-    SAMPLER_DTYPES,
-    greedy_pick,
-    sampler_kernels_available,
-    temperature_draw,
-)
+from compiled_engine.kernels import cpu_sampler
+from compiled_engine.kernels.cpu_sampler import greedy_pick, temperature_draw
 from compiled_engine.sampling_params import SamplingParams
 
 # Goes into the compile-cache key of anything that captures the sampler.
@@ -325,12 +321,7 @@ def _draws_in_cpp(logits: torch.Tensor, params: SamplingTensors) -> bool:
     """Whether the C++ temperature draw serves this step: CPU logits of a dtype it takes, and no
     row needing min-p, top-k or top-p (which stay torch's ops)."""
     plain = params.min_p is None and not params.needs_top_k and not params.needs_top_p
-    return (
-        plain
-        and logits.device.type == "cpu"
-        and logits.dtype in SAMPLER_DTYPES
-        and sampler_kernels_available()
-    )
+    return plain and cpu_sampler.serves(logits)
 
 
 def greedy_tokens_of(logits: torch.Tensor) -> torch.Tensor:
@@ -342,10 +333,9 @@ def greedy_tokens_of(logits: torch.Tensor) -> torch.Tensor:
     over bf16 logits, the kernel in a fraction of max's (bench/test_sampling.py,
     docs/performance.md).
     """
+    if cpu_sampler.serves(logits):
+        return greedy_pick(logits)
     if logits.device.type == "cpu":
-        takes = logits.dtype in SAMPLER_DTYPES and logits.dim() == 2 and logits.shape[1] > 0
-        if takes and sampler_kernels_available():
-            return greedy_pick(logits)
         return logits.max(dim=-1).indices
     return logits.argmax(dim=-1)
 
