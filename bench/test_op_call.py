@@ -14,9 +14,11 @@ the one-token decode step called three ways, all doing the same work:
 At bench-small's shapes (bench/models.py), one decode row, bf16: `paged_attention_cpu` over a
 128-token context (8 query heads, 4 KV heads of 64, blocks of 16), and `cpu_gemv` of a 512 x 512
 weight (the attention output projection); and `onednn_linear`, oneDNN's packed GEMM, over the
-same weight at 64 rows (its `kernel` path: `mkldnn::_linear_pointwise` on the packed weight). A
-bench-small step calls the attention op 6 times, and the GEMV (one row) or oneDNN's linear (64
-rows) 25 times; the difference between an op's rows, times its calls, is what that way of calling
+same weight at 64 rows (its `kernel` path: `mkldnn::_linear_pointwise` on the packed weight); and
+the quantized GEMVs `cpu_gemv_int8` / `cpu_gemv_int4` (group 32) of that weight quantized, at one
+row (kernels/cpu_gemv_quantized.py). A bench-small step calls the attention op 6 times, and the
+GEMV (one row) or oneDNN's linear (64 rows) 25 times, quantized or not; the Qwen2.5-0.5B shape
+97 linears. The difference between an op's rows, times its calls, is what that way of calling
 adds to every step. Each timed call runs `CALLS` times in a loop.
 """
 
@@ -28,8 +30,16 @@ import torch
 import compiled_engine.kernels  # noqa: F401  (registers the ops)
 from bench.test_kv_cache_attention import QUERY_DTYPE as DTYPE
 from bench.test_kv_cache_attention import decode_step
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops, onednn_linear
+from compiled_engine.kernels import (
+    cpu_attention,
+    cpu_attention_build,
+    cpu_gemv,
+    cpu_gemv_quantized,
+    cpu_ops,
+    onednn_linear,
+)
 from compiled_engine.kernels.cpu_attention_build import compiler
+from compiled_engine.kernels.weight_quantization import quantize_int4, quantize_int8
 
 HIDDEN = 512
 CONTEXT = 128
@@ -133,3 +143,54 @@ def test_onednn_linear_call(benchmark, request, path):
 
         torch.testing.assert_close(call(), op_out)
     _time(benchmark, request, f"op call: onednn_linear, 64 rows, {HIDDEN} x {HIDDEN}", path, call)
+
+
+@pytest.mark.parametrize("path", ["op", "python", "kernel"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_gemv_call(benchmark, request, scheme, path):
+    _implementation()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(HIDDEN, HIDDEN, generator=gen).to(DTYPE)
+    x = torch.randn(1, HIDDEN, generator=gen).to(DTYPE)
+    ops = torch.ops.compiled_engine
+    if scheme == "int8":
+        q = quantize_int8(weight)
+        operands: tuple = (q.qweight, q.scales)
+        op, python_implementation = ops.cpu_gemv_int8.default, cpu_gemv_quantized._int8_op
+    else:
+        q = quantize_int4(weight, 32)
+        operands = (q.qweight, q.scales, q.zeros, 32)
+        op, python_implementation = ops.cpu_gemv_int4.default, cpu_gemv_quantized._int4_op
+    op_out = op(x, *operands, None)
+    assert torch.equal(python_implementation(x, *operands, None), op_out)
+    if path == "op":
+
+        def call():
+            op(x, *operands, None)
+
+    elif path == "python":
+
+        def call():
+            python_implementation(x, *operands, None)
+
+    else:
+        entry = cpu_gemv_quantized.PACKED_QUANTIZED_WEIGHTS.get(*operands)
+        library, out = cpu_gemv_quantized.load(), torch.empty(1, HIDDEN, dtype=DTYPE)
+        code, isa = cpu_gemv_quantized._DTYPE_CODES[DTYPE], cpu_gemv_quantized.gemv_path()
+        threads = torch.get_num_threads()
+        if scheme == "int8":
+            packed, scales = entry.pointers
+            fixed: tuple = (x.data_ptr(), HIDDEN, 1, packed, scales, None, out.data_ptr(), HIDDEN, HIDDEN)
+            kernel, last = library.ce_cpu_gemv_int8, ()
+        else:
+            packed, scales, offsets, *scale_zero = entry.pointers
+            fixed = (x.data_ptr(), HIDDEN, 1, packed, scales, offsets, 32, None, out.data_ptr(), HIDDEN,
+                     HIDDEN)  # fmt: skip
+            kernel, last = library.ce_cpu_gemv_int4, (scale_zero[0] if scale_zero else None,)
+
+        def call():
+            kernel(*fixed, code, isa, threads, *last)
+
+        call()
+        assert torch.equal(out, op_out)  # the same work, not a cheaper one
+    _time(benchmark, request, f"op call: cpu_gemv_{scheme}, 1 row, {HIDDEN} x {HIDDEN}", path, call)

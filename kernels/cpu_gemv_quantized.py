@@ -76,8 +76,31 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
 
 
 def cpu_gemv_quantized_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether the kernels can run quantized linears with `dtype` activations on `device` here."""
-    return kernel_available(load, QUANTIZED_DTYPES, dtype, device)
+    """Whether the kernels can run quantized linears with `dtype` activations on `device` here
+    (building them if needed, and the ops' C++ implementations with them where those build:
+    kernels/cpu_ops.py)."""
+    if not kernel_available(load, QUANTIZED_DTYPES, dtype, device):
+        return False
+    from compiled_engine.kernels.cpu_ops import use_native_ops  # it imports this module
+
+    use_native_ops()
+    return True
+
+
+def gemv_path() -> int:
+    """The path the quantized GEMV takes by default here (the AVX-512 BF16 dot products are the
+    float GEMV's only: the weights are integers)."""
+    return min(best_isa(), ISA_AVX512)
+
+
+def bf16_many_rows_path() -> int:
+    """The path the many-rows ops take by default for bf16 activations: the AMX tiles where they
+    run, else the AVX-512 widen-once path, else the GEMV's."""
+    if tiles_available():
+        return ISA_AMX
+    if avx512_many_rows_available():
+        return ISA_AVX512_BF16
+    return gemv_path()
 
 
 # The tile path's `isa` (above the GEMV's ISA_* of kernels/cpu_gemv.py): AMX BF16.
@@ -217,18 +240,20 @@ PACKED_QUANTIZED_WEIGHTS = PackedQuantizedWeights()
 
 
 def _checked_rows(x: torch.Tensor, in_features: int, isa: int | None) -> tuple[torch.Tensor, int]:
+    if x.device.type != "cpu":
+        # Registered as CompositeExplicitAutograd (for every device key): the kernel reads host memory.
+        raise ValueError(f"cpu_gemv_quantized runs on CPU tensors, got {x.device}")
     if x.dtype not in _DTYPE_CODES:
         raise ValueError(f"cpu_gemv_quantized takes float32, bfloat16 or float16 activations, got {x.dtype}")
     if x.shape[-1] != in_features:
         raise ValueError(f"cpu_gemv_quantized: x has {x.shape[-1]} features, the weight takes {in_features}")
-    chosen = best_isa() if isa is None else isa
-    if chosen > best_isa():
-        raise ValueError(f"cpu_gemv_quantized: this CPU cannot run the {ISA_NAMES.get(chosen, chosen)} path")
+    if isa is not None and isa > best_isa():
+        raise ValueError(f"cpu_gemv_quantized: this CPU cannot run the {ISA_NAMES.get(isa, isa)} path")
     rows = x.reshape(-1, in_features)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     # The kernels have AVX-512F, AVX2 and portable paths (no BF16 dot product: the weights are integers).
-    return rows, min(chosen, ISA_AVX512)
+    return rows, gemv_path() if isa is None else min(isa, ISA_AVX512)
 
 
 def _paths(x: torch.Tensor, in_features: int, isa: int | None, tiles: bool) -> tuple[torch.Tensor, int]:
@@ -238,9 +263,9 @@ def _paths(x: torch.Tensor, in_features: int, isa: int | None, tiles: bool) -> t
     return rows, _tile_path(x, isa, path) if tiles else path
 
 
-def _tile_path(x: torch.Tensor, isa: int | None, gemv_path: int) -> int:
+def _tile_path(x: torch.Tensor, isa: int | None, fallback: int) -> int:
     """The many-rows ops' path: by default the tiles where they run, else (bf16 x) the AVX-512
-    widen-once path where it runs, else the GEMV's `gemv_path`; `isa` forces one."""
+    widen-once path where it runs, else `fallback` (the GEMV's path); `isa` forces one."""
     if isa is not None and isa >= ISA_AMX:
         if not tiles_available():
             raise ValueError("cpu_gemm_quantized: this CPU (or build) cannot run the AMX tile path")
@@ -254,11 +279,8 @@ def _tile_path(x: torch.Tensor, isa: int | None, gemv_path: int) -> int:
             raise ValueError(f"cpu_gemm_quantized: the AVX-512 path takes bfloat16 x, not {x.dtype}")
         return ISA_AVX512_BF16
     if isa is None and x.dtype == torch.bfloat16:
-        if tiles_available():
-            return ISA_AMX
-        if avx512_many_rows_available():
-            return ISA_AVX512_BF16
-    return gemv_path
+        return bf16_many_rows_path()
+    return fallback
 
 
 def _bias(bias: torch.Tensor | None, x: torch.Tensor) -> Any:
@@ -299,8 +321,8 @@ def _int8_linear(
     isa: int | None,
     tiles: bool,
 ) -> torch.Tensor:
+    rows, path = _paths(x, qweight.shape[-1], isa, tiles)
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales)
-    rows, path = _paths(x, entry.in_features, isa, tiles)
     bias = _bias(bias, x)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales = entry.pointers
@@ -350,8 +372,8 @@ def _int4_linear(
     isa: int | None,
     tiles: bool,
 ) -> torch.Tensor:
+    rows, path = _paths(x, 2 * qweight.shape[-1], isa, tiles)
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
-    rows, path = _paths(x, entry.in_features, isa, tiles)
     bias = _bias(bias, x)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales, offsets, *scale_zero = entry.pointers
@@ -430,12 +452,15 @@ _LIBRARY.define(
     "cpu_gemm_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
     "Tensor? bias) -> Tensor"
 )
-_LIBRARY.impl("cpu_gemv_int8", _int8_op, "CPU")
-_LIBRARY.impl("cpu_gemv_int4", _int4_op, "CPU")
+# The Python implementations are CompositeExplicitAutograd, as kernels/cpu_gemv.py's: where the
+# ops' C++ implementations build (kernels/cpu_ops.py), their CPU kernels take precedence and a
+# graph's call runs no Python (~4 us a call, against ~15 here: ~100 calls a token at the 0.5B shape).
+_LIBRARY.impl("cpu_gemv_int8", _int8_op, "CompositeExplicitAutograd")
+_LIBRARY.impl("cpu_gemv_int4", _int4_op, "CompositeExplicitAutograd")
 torch.library.register_fake("compiled_engine::cpu_gemv_int8", int8_linear_fake, lib=_LIBRARY)
 torch.library.register_fake("compiled_engine::cpu_gemv_int4", int4_linear_fake, lib=_LIBRARY)
-_LIBRARY.impl("cpu_gemm_int8", _gemm_int8_op, "CPU")
-_LIBRARY.impl("cpu_gemm_int4", _gemm_int4_op, "CPU")
+_LIBRARY.impl("cpu_gemm_int8", _gemm_int8_op, "CompositeExplicitAutograd")
+_LIBRARY.impl("cpu_gemm_int4", _gemm_int4_op, "CompositeExplicitAutograd")
 torch.library.register_fake("compiled_engine::cpu_gemm_int8", int8_linear_fake, lib=_LIBRARY)
 torch.library.register_fake("compiled_engine::cpu_gemm_int4", int4_linear_fake, lib=_LIBRARY)
 

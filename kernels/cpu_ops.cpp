@@ -1,13 +1,16 @@
 // The CPU kernels' ops, registered with torch's dispatcher in C++: `compiled_engine::cpu_gemv`
-// (kernels/cpu_gemv.cpp), `compiled_engine::paged_attention_cpu` (kernels/cpu_attention.cpp) and
-// `compiled_engine::onednn_linear` (oneDNN's packed linear, kernels/onednn_linear.py).
+// (kernels/cpu_gemv.cpp), `compiled_engine::paged_attention_cpu` (kernels/cpu_attention.cpp),
+// `compiled_engine::onednn_linear` (oneDNN's packed linear, kernels/onednn_linear.py) and the
+// quantized linears `cpu_gemv_int8` / `_int4` and `cpu_gemm_int8` / `_int4`
+// (kernels/cpu_gemv_quantized.cpp).
 //
 // Why: the Python implementations of these ops (kernels/cpu_gemv.py, kernels/cpu_attention.py,
-// kernels/onednn_linear.py) cost 7-21 us a call around kernels of ~8 us (bench/test_op_call.py),
-// and a decode step makes ~30 such calls. Here a call is the dispatcher's plus a few checks. The
-// ops' schemas and fake (meta) implementations stay in Python; this file only adds CPU kernels.
+// kernels/onednn_linear.py, kernels/cpu_gemv_quantized.py) cost 7-21 us a call around kernels of
+// ~8 us (bench/test_op_call.py), and a decode step makes ~30 such calls (~100 for a 24-layer
+// model). Here a call is the dispatcher's plus a few checks. The ops' schemas and fake (meta)
+// implementations stay in Python; this file only adds CPU kernels.
 //
-// Built at first use by kernels/cpu_ops_build.py, together with the two kernel sources (one
+// Built at first use by kernels/cpu_ops.py, together with the three kernel sources (one
 // shared library, linked against the running torch) and loaded with torch.ops.load_library, which
 // runs the TORCH_LIBRARY_IMPL block below. The checks and messages mirror the Python ones, which
 // stay as the fallback where this library cannot be built.
@@ -15,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -33,6 +37,22 @@ extern "C" int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const 
                            void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
                            int num_threads);
 extern "C" int ce_cpu_paged_attention(const int64_t* ints, float scale, float softcap);
+// kernels/cpu_gemv_quantized.cpp's entry points: the GEMV (a few rows) and the many-rows path, of
+// int8 and int4 weights (one signature per scheme).
+extern "C" {
+int ce_cpu_gemv_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
+                     int num_threads);
+int ce_cpu_gemm_int8(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const void* bias, void* out, int64_t in_features, int64_t out_features, int dtype, int isa,
+                     int num_threads);
+int ce_cpu_gemv_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+                     int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero);
+int ce_cpu_gemm_int4(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+                     const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+                     int64_t out_features, int dtype, int isa, int num_threads, const uint32_t* scale_zero);
+}
 
 namespace {
 
@@ -67,26 +87,30 @@ at::Tensor pack(const at::Tensor& weight) {
 }
 
 // Packed copies by weight, as kernels/cpu_gemv.py's PackedGemvWeights: the weight held weakly,
-// the copy remade when the weight's version counter moved (an in-place change).
+// the copy remade when a version counter moved (an in-place change). `Packed`: what a copy holds
+// (one tensor, or the quantized layouts' several); `Version`: the counters it was made at.
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+template <typename Packed, typename Version>
 struct PackedCopy {
   WeakImpl weight;
-  int64_t version;  // -1: an inference tensor, which has no counter and cannot change in place
-  at::Tensor packed;
+  Version version;
+  Packed packed;
 };
-using PackedCopies = std::unordered_map<const c10::TensorImpl*, PackedCopy>;
+template <typename Packed, typename Version>
+using PackedCopies = std::unordered_map<const c10::TensorImpl*, PackedCopy<Packed, Version>>;
+using TensorCopies = PackedCopies<at::Tensor, int64_t>;
 std::mutex g_packed_mutex;
-PackedCopies g_packed;
+TensorCopies g_packed;
 
-int64_t version_of(const at::Tensor& weight) {
+int64_t version_of(const at::Tensor& weight) {  // -1: an inference tensor (no counter, never changes)
   return weight.is_inference() ? -1 : static_cast<int64_t>(weight._version());
 }
 
-// `weight`'s copy in `copies` (made by `make` if missing or stale), under `mutex`.
-at::Tensor packed_copy(std::mutex& mutex, PackedCopies& copies, const at::Tensor& weight,
-                       at::Tensor (*make)(const at::Tensor&)) {
+// `weight`'s copy in `copies` (made by `make()` if missing or stale), under `mutex`.
+template <typename Packed, typename Version, typename Make>
+Packed packed_copy(std::mutex& mutex, PackedCopies<Packed, Version>& copies, const at::Tensor& weight,
+                   const Version& version, Make make) {
   const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
-  const int64_t version = version_of(weight);
   std::lock_guard<std::mutex> lock(mutex);
   auto found = copies.find(key);
   // A live weak reference means `key` is still this weight, not a new one at a reused address.
@@ -96,12 +120,18 @@ at::Tensor packed_copy(std::mutex& mutex, PackedCopies& copies, const at::Tensor
   for (auto it = copies.begin(); it != copies.end();) {  // drop the copies of dead weights
     it = it->second.weight.expired() ? copies.erase(it) : std::next(it);
   }
-  at::Tensor packed = make(weight);
-  copies.insert_or_assign(key, PackedCopy{WeakImpl(weight.getIntrusivePtr()), version, packed});
+  Packed packed = make();
+  copies.insert_or_assign(key, PackedCopy<Packed, Version>{WeakImpl(weight.getIntrusivePtr()), version, packed});
   return packed;
 }
 
-int64_t live_copies(std::mutex& mutex, const PackedCopies& copies) {
+at::Tensor packed_copy(std::mutex& mutex, TensorCopies& copies, const at::Tensor& weight,
+                       at::Tensor (*make)(const at::Tensor&)) {
+  return packed_copy(mutex, copies, weight, version_of(weight), [&] { return make(weight); });
+}
+
+template <typename Packed, typename Version>
+int64_t live_copies(std::mutex& mutex, const PackedCopies<Packed, Version>& copies) {
   std::lock_guard<std::mutex> lock(mutex);
   int64_t live = 0;
   for (const auto& entry : copies) live += entry.second.weight.expired() ? 0 : 1;
@@ -158,7 +188,7 @@ at::Tensor reorder_linear_weight(const at::Tensor& weight) {  // kernels/onednn_
 
 // Packed copies by weight, as PackedCopies above (kernels/onednn_linear.py's PackedWeights).
 std::mutex g_onednn_mutex;
-PackedCopies g_onednn_packed;
+TensorCopies g_onednn_packed;
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle linear = mkldnn_op("mkldnn::_linear_pointwise");
@@ -167,6 +197,137 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
                           c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
   linear.callBoxed(&stack);
   return std::move(stack.back()).toTensor();
+}
+
+// ---- cpu_gemv_int8 / _int4, cpu_gemm_int8 / _int4 ----------------------------------------------
+
+// The quantized kernels' paths (kernels/cpu_gemv_quantized.py, set once after loading): the GEMV's
+// (its `_checked_rows`), and the many-rows ops' for bf16 x (its `_tile_path`: the AMX tiles, the
+// AVX-512 widen-once path, else the GEMV's); other activations take the GEMV's path there too.
+std::atomic<int> g_quantized_gemv_path{0};
+std::atomic<int> g_quantized_bf16_many_rows_path{0};
+
+// [N, ...] -> [ceil(N / 64) * 64, ...], padded with `fill` (cpu_gemv_quantized.py's _blocks).
+at::Tensor in_blocks(const at::Tensor& rows, double fill) {
+  const int64_t n = rows.size(0), padded = (n + kBlock - 1) / kBlock * kBlock;
+  if (padded == n) return rows;
+  std::vector<int64_t> pad(2 * rows.dim(), 0);
+  pad.back() = padded - n;  // constant_pad_nd's pairs run from the last dimension to the first
+  return at::constant_pad_nd(rows, pad, fill);
+}
+
+// The layouts of cpu_gemv_quantized.py's pack_int8 / pack_int4 (which document them).
+std::vector<at::Tensor> pack_int8(const at::Tensor& qweight, const at::Tensor& scales) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor q = in_blocks(qweight, 0);
+  return {q.view({-1, kBlock, q.size(1)}).permute({0, 2, 1}).contiguous(),
+          in_blocks(scales.to(at::kFloat).unsqueeze(1), 0).view({-1, kBlock}).contiguous()};
+}
+
+std::vector<at::Tensor> pack_int4(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor q = in_blocks(qweight, 0x88);  // padded features: q = 8 everywhere, scale 0, offset 0
+  const at::Tensor s = scales.to(at::kFloat), z = zeros.to(at::kFloat);
+  const int64_t groups = s.size(1);
+  auto as_blocks = [&](const at::Tensor& t) {
+    return in_blocks(t, 0).view({-1, kBlock, groups}).permute({0, 2, 1}).contiguous();
+  };
+  std::vector<at::Tensor> packed{q.view({-1, kBlock, q.size(1)}).permute({0, 2, 1}).contiguous(), as_blocks(s),
+                                 as_blocks(z.sub(s.mul(8)))};
+  if (scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16) {
+    auto bits = [](const at::Tensor& t) { return t.contiguous().view(at::kShort).to(at::kInt).bitwise_and(0xFFFF); };
+    packed.push_back(as_blocks(bits(scales).bitwise_or(bits(zeros).bitwise_left_shift(16))));
+  }
+  return packed;
+}
+
+// Packed copies by quantized weight; the version holds the counters of qweight, scales and zeros.
+using QuantizedCopies = PackedCopies<std::vector<at::Tensor>, std::array<int64_t, 3>>;
+std::mutex g_quantized_mutex;
+QuantizedCopies g_quantized;
+
+// x's rows (contiguous), bias (contiguous, x's dtype) and the output, checked as
+// cpu_gemv_quantized.py's _checked_rows and _bias check them.
+struct QuantizedCall {
+  at::Tensor rows;
+  std::optional<at::Tensor> bias;
+  at::Tensor out;
+  int dtype;
+};
+
+QuantizedCall quantized_call(const at::Tensor& x, int64_t in_features, int64_t out_features,
+                             const std::optional<at::Tensor>& bias) {
+  const int code = dtype_code(x.scalar_type());
+  TORCH_CHECK_VALUE(code >= 0, "cpu_gemv_quantized takes float32, bfloat16 or float16 activations, got ",
+                    x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == in_features, "cpu_gemv_quantized: x has ",
+                    x.dim() ? x.size(-1) : 0, " features, the weight takes ", in_features);
+  std::optional<at::Tensor> bias_rows;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == x.scalar_type(), "cpu_gemv_quantized: bias is ", bias->scalar_type(),
+                      ", x is ", x.scalar_type());
+    TORCH_CHECK_VALUE(bias->numel() == out_features, "cpu_gemv_quantized: bias has ", bias->numel(),
+                      " values, the weight has ", out_features, " outputs");
+    bias_rows = bias->contiguous();
+  }
+  at::Tensor rows = x.reshape({-1, in_features});
+  if (!rows.is_contiguous()) rows = rows.contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return {rows, bias_rows, at::empty(sizes, x.options()), code};
+}
+
+int quantized_path(const at::Tensor& x, bool many_rows) {
+  return many_rows && x.scalar_type() == at::kBFloat16 ? g_quantized_bf16_many_rows_path.load(std::memory_order_relaxed)
+                                                       : g_quantized_gemv_path.load(std::memory_order_relaxed);
+}
+
+template <bool kManyRows>
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kChar,
+                    "cpu_gemv_int8 takes an int8 [N, K] weight, got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t out_features = qweight.size(0), in_features = qweight.size(1);
+  TORCH_CHECK_VALUE(scales.numel() == out_features, "cpu_gemv_int8: ", scales.numel(), " scales for ",
+                    out_features, " outputs");
+  QuantizedCall call = quantized_call(x, in_features, out_features, bias);
+  const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), 0};
+  const std::vector<at::Tensor> packed = packed_copy(g_quantized_mutex, g_quantized, qweight, version,
+                                                     [&] { return pack_int8(qweight, scales); });
+  const auto kernel = kManyRows ? ce_cpu_gemm_int8 : ce_cpu_gemv_int8;
+  const int rc = kernel(call.rows.data_ptr(), in_features, call.rows.size(0), packed[0].data_ptr(),
+                        packed[1].data_ptr<float>(), call.bias.has_value() ? call.bias->data_ptr() : nullptr,
+                        call.out.data_ptr(), in_features, out_features, call.dtype, quantized_path(x, kManyRows),
+                        at::get_num_threads());
+  TORCH_CHECK(rc == 0, "cpu_gemv_int8: the kernel rejected its arguments (code ", rc, ")");
+  return call.out;
+}
+
+template <bool kManyRows>
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte,
+                    "cpu_gemv_int4 takes a uint8 [N, K / 2] weight, got ", qweight.scalar_type(), " ",
+                    qweight.sizes());
+  const int64_t out_features = qweight.size(0), in_features = 2 * qweight.size(1);
+  TORCH_CHECK_VALUE(group_size > 0 && in_features % group_size == 0, "cpu_gemv_int4: group size ", group_size,
+                    " does not divide ", in_features, " input features");
+  const std::vector<int64_t> groups{out_features, in_features / group_size};
+  TORCH_CHECK_VALUE(scales.sizes() == c10::IntArrayRef(groups) && zeros.sizes() == c10::IntArrayRef(groups),
+                    "cpu_gemv_int4: scales and zeros must be ", c10::IntArrayRef(groups), ", got ", scales.sizes(),
+                    " and ", zeros.sizes());
+  QuantizedCall call = quantized_call(x, in_features, out_features, bias);
+  const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), version_of(zeros)};
+  const std::vector<at::Tensor> packed = packed_copy(g_quantized_mutex, g_quantized, qweight, version,
+                                                     [&] { return pack_int4(qweight, scales, zeros); });
+  const auto kernel = kManyRows ? ce_cpu_gemm_int4 : ce_cpu_gemv_int4;
+  const int rc = kernel(call.rows.data_ptr(), in_features, call.rows.size(0), packed[0].data_ptr(),
+                        packed[1].data_ptr<float>(), packed[2].data_ptr<float>(), group_size,
+                        call.bias.has_value() ? call.bias->data_ptr() : nullptr, call.out.data_ptr(), in_features,
+                        out_features, call.dtype, quantized_path(x, kManyRows), at::get_num_threads(),
+                        packed.size() > 3 ? static_cast<const uint32_t*>(packed[3].data_ptr()) : nullptr);
+  TORCH_CHECK(rc == 0, "cpu_gemv_int4: the kernel rejected its arguments (code ", rc, ")");
+  return call.out;
 }
 
 // ---- paged_attention_cpu ----------------------------------------------------------------------
@@ -288,13 +449,20 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 
 extern "C" {
 
-// Called once after loading (kernels/cpu_ops_build.py): the GEMV path this CPU runs.
-void ce_cpu_ops_configure(int gemv_isa) { g_isa.store(gemv_isa, std::memory_order_relaxed); }
+// Called once after loading (kernels/cpu_ops.py): the paths this CPU runs, the GEMV's and the
+// quantized kernels' (a few rows; many rows of bf16 x).
+void ce_cpu_ops_configure(int gemv_isa, int quantized_gemv_path, int quantized_bf16_many_rows_path) {
+  g_isa.store(gemv_isa, std::memory_order_relaxed);
+  g_quantized_gemv_path.store(quantized_gemv_path, std::memory_order_relaxed);
+  g_quantized_bf16_many_rows_path.store(quantized_bf16_many_rows_path, std::memory_order_relaxed);
+}
 
 // How many packed copies of live weights are held (tests: a dead weight's copy goes): the
-// GEMV's (which = 0) or oneDNN's (which = 1).
+// GEMV's (which = 0), oneDNN's (1) or the quantized kernels' (2).
 int64_t ce_cpu_ops_packed_copies(int which) {
-  return which == 0 ? live_copies(g_packed_mutex, g_packed) : live_copies(g_onednn_mutex, g_onednn_packed);
+  if (which == 0) return live_copies(g_packed_mutex, g_packed);
+  if (which == 1) return live_copies(g_onednn_mutex, g_onednn_packed);
+  return live_copies(g_quantized_mutex, g_quantized);
 }
 
 }  // extern "C"
@@ -303,4 +471,8 @@ TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) {
   m.impl("cpu_gemv", &cpu_gemv);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("onednn_linear", &onednn_linear);
+  m.impl("cpu_gemv_int8", &int8_linear<false>);
+  m.impl("cpu_gemm_int8", &int8_linear<true>);
+  m.impl("cpu_gemv_int4", &int4_linear<false>);
+  m.impl("cpu_gemm_int4", &int4_linear<true>);
 }

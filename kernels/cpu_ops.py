@@ -1,20 +1,22 @@
-"""C++ CPU kernels for the ops `cpu_gemv`, `paged_attention_cpu` and `onednn_linear`, registered
-with the dispatcher.
+"""C++ CPU kernels for the ops `cpu_gemv`, `paged_attention_cpu`, `onednn_linear` and the quantized
+linears (`cpu_gemv_int8` / `_int4`, `cpu_gemm_int8` / `_int4`), registered with the dispatcher.
 
 Why: a call of one of these ops through its Python implementation costs 4-21 us around a kernel
-of ~8 us (bench/test_op_call.py), ~30 calls in every decode step. kernels/cpu_ops.cpp implements
-them in C++ (checks, conversions, packed-weight copies, output, the kernel call) and registers
-them for the CPU dispatch key, so a compiled graph's call runs no Python.
+of ~8 us (bench/test_op_call.py), ~30 calls in every decode step (~100 at 24 layers).
+kernels/cpu_ops.cpp implements them in C++ (checks, conversions, packed-weight copies, output,
+the kernel call) and registers them for the CPU dispatch key, so a compiled graph's call runs no
+Python.
 
 How: the ops' schemas, fake implementations and Python implementations stay in
-kernels/cpu_gemv.py, kernels/cpu_attention.py and kernels/onednn_linear.py. The Python ones are
-registered as CompositeExplicitAutograd, which a CPU kernel takes precedence over, so loading this
+kernels/cpu_gemv.py, kernels/cpu_attention.py, kernels/onednn_linear.py and
+kernels/cpu_gemv_quantized.py. The Python ones are registered as CompositeExplicitAutograd,
+which a CPU kernel takes precedence over, so loading this
 library switches every later call to C++ and not loading it (no compiler, no torch headers, a
 failed build) leaves the Python ones serving.
 
 The library is built at first use into the same folder as the kernels' own libraries
 (kernels/cpu_attention_build.py), compiled against the running torch's headers and linked to
-those two libraries (found next to it, whatever the folder's path), so the kernels' code is
+the three kernel libraries (found next to it, whatever the folder's path), so the kernels' code is
 loaded once, shared with their ctypes callers.
 """
 
@@ -28,7 +30,13 @@ from pathlib import Path
 import torch
 
 # These define the ops' schemas, which the library's kernels are registered for.
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, onednn_linear  # noqa: F401
+from compiled_engine.kernels import (  # noqa: F401
+    cpu_attention,
+    cpu_attention_build,
+    cpu_gemv,
+    cpu_gemv_quantized,
+    onednn_linear,
+)
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -63,7 +71,11 @@ def _flags(kernel_libraries: list[Path]) -> list[str]:
 
 def build(directory: Path | None = None) -> Path:
     """The library for this torch, compiler and CPU (built with the two kernels' if missing)."""
-    kernels = [cpu_attention_build.build(directory), cpu_attention_build.build(directory, cpu_gemv.SOURCE)]
+    kernels = [
+        cpu_attention_build.build(directory),
+        cpu_attention_build.build(directory, cpu_gemv.SOURCE),
+        cpu_attention_build.build(directory, cpu_gemv_quantized.SOURCE),
+    ]
     return cpu_attention_build.build(directory, SOURCE, _flags(kernels))
 
 
@@ -80,7 +92,11 @@ def use_native_ops(directory: Path | None = None) -> str | None:
                 path = build(directory)
                 torch.ops.load_library(str(path))
                 library = ctypes.CDLL(str(path))
-                library.ce_cpu_ops_configure(ctypes.c_int(cpu_gemv.gemv_isa()))
+                library.ce_cpu_ops_configure(
+                    ctypes.c_int(cpu_gemv.gemv_isa()),
+                    ctypes.c_int(cpu_gemv_quantized.gemv_path()),
+                    ctypes.c_int(cpu_gemv_quantized.bf16_many_rows_path()),
+                )
                 library.ce_cpu_ops_packed_copies.restype = ctypes.c_int64
                 _library, _result = library, None
             except (CpuKernelBuildError, OSError, RuntimeError, AttributeError) as exc:
@@ -96,7 +112,7 @@ def use_native_ops(directory: Path | None = None) -> str | None:
 
 
 def packed_copies(op: str = "cpu_gemv") -> int:
-    """How many packed copies of live weights the C++ `op` ("cpu_gemv" or "onednn_linear") holds
-    (0 if the library is not loaded)."""
-    which = {"cpu_gemv": 0, "onednn_linear": 1}[op]
+    """How many packed copies of live weights the C++ `op` ("cpu_gemv", "onednn_linear" or
+    "quantized": the four quantized ops') holds (0 if the library is not loaded)."""
+    which = {"cpu_gemv": 0, "onednn_linear": 1, "quantized": 2}[op]
     return 0 if _library is None else int(_library.ce_cpu_ops_packed_copies(ctypes.c_int(which)))

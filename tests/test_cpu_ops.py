@@ -16,7 +16,15 @@ import sys
 import pytest
 import torch
 
-from compiled_engine.kernels import cpu_attention, cpu_attention_build, cpu_gemv, cpu_ops, onednn_linear
+from compiled_engine.kernels import (
+    cpu_attention,
+    cpu_attention_build,
+    cpu_gemv,
+    cpu_gemv_quantized,
+    cpu_ops,
+    onednn_linear,
+)
+from compiled_engine.kernels.weight_quantization import quantize_int4, quantize_int8
 from tests.attention_batches import fuse_qkv, make_attention_batch, quantized_cache
 from tests.test_cpu_attention_kv_quant import CASES
 
@@ -24,6 +32,13 @@ if cpu_attention_build.compiler() is None:
     pytest.skip("no C++ compiler on this machine: nothing to build", allow_module_level=True)
 
 gemv_op = torch.ops.compiled_engine.cpu_gemv.default
+# The quantized linears: the op, and its Python implementation (kernels/cpu_gemv_quantized.py).
+QUANTIZED_OPS = {
+    "cpu_gemv_int8": cpu_gemv_quantized.cpu_gemv_int8_linear,
+    "cpu_gemm_int8": cpu_gemv_quantized.cpu_gemm_int8_linear,
+    "cpu_gemv_int4": cpu_gemv_quantized.cpu_gemv_int4_linear,
+    "cpu_gemm_int4": cpu_gemv_quantized.cpu_gemm_int4_linear,
+}
 attention_op = torch.ops.compiled_engine.paged_attention_cpu.default
 onednn_op = torch.ops.compiled_engine.onednn_linear.default
 
@@ -36,7 +51,8 @@ def native_ops():
 
 def test_the_cpu_dispatch_key_has_the_cpp_kernels():
     # The Python implementations are CompositeExplicitAutograd; only the library adds CPU kernels.
-    for name in ("cpu_gemv", "paged_attention_cpu", "onednn_linear"):
+    names = ("cpu_gemv", "paged_attention_cpu", "onednn_linear", *QUANTIZED_OPS)
+    for name in names:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"compiled_engine::{name}", "CPU"), name
 
 
@@ -89,6 +105,76 @@ def test_gemv_repacks_a_weight_changed_in_place_and_drops_a_dead_weights_copy():
     del w, frozen
     gc.collect()
     assert cpu_ops.packed_copies() == before
+
+
+def _quantized(name, generator, dtype, out_features=131, in_features=256):
+    """The operands of the quantized op `name` after x: an int8 or int4 (group 32) weight."""
+    w = (torch.randn(out_features, in_features, generator=generator) + 0.5).to(dtype)
+    if name.endswith("int8"):
+        q = quantize_int8(w)
+        return (q.qweight, q.scales)
+    q = quantize_int4(w, 32)
+    return (q.qweight, q.scales, q.zeros, 32)
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED_OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_quantized_linears_equal_the_python_implementations(name, dtype):
+    op, python = getattr(torch.ops.compiled_engine, name).default, QUANTIZED_OPS[name]
+    generator = torch.Generator().manual_seed(3)
+    weights = _quantized(name, generator, dtype)
+    bias = torch.randn(131, generator=generator).to(dtype)
+    for rows in (1, 3, 20):  # the GEMV's few rows, and past the many-rows paths' first tile
+        wide = torch.randn(rows, 256 + 9, generator=generator).to(dtype)
+        for x in (wide[:, :256].contiguous(), wide[:, 4:260], wide[:, :256][None]):
+            for b in (None, bias):
+                assert torch.equal(op(x, *weights, b), python(x, *weights, b)), (rows, x.stride(), b is None)
+    assert op(torch.randn(1, 0, 256).to(dtype), *weights, None).shape == (1, 0, 131)
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("cpu_gemv_int8", lambda x, w: (x.double(), *w), "float32, bfloat16 or float16 activations"),
+        ("cpu_gemm_int4", lambda x, w: (x[:, :255], *w), "x has 255 features, the weight takes 256"),
+        ("cpu_gemv_int8", lambda x, w: (x, w[0].float(), w[1]), "int8 \\[N, K\\] weight"),
+        ("cpu_gemv_int8", lambda x, w: (x, w[0], w[1][:5]), "5 scales for 131 outputs"),
+        ("cpu_gemv_int4", lambda x, w: (x, w[0].view(torch.int8), *w[1:]), "uint8 \\[N, K / 2\\] weight"),
+        ("cpu_gemv_int4", lambda x, w: (x, *w[:3], 48), "group size 48 does not divide 256"),
+        ("cpu_gemm_int4", lambda x, w: (x, w[0], w[1][:, :3], *w[2:]), "scales and zeros must be"),
+    ],
+)
+def test_quantized_linears_refuse_bad_inputs(name, change, message):
+    generator = torch.Generator().manual_seed(4)
+    weights = _quantized(name, generator, torch.float32)
+    x = torch.randn(2, 256, generator=generator)
+    with pytest.raises(ValueError, match=message):
+        getattr(torch.ops.compiled_engine, name)(*change(x, weights), None)
+    with pytest.raises(ValueError, match="bias is torch.float16|bias is Half"):
+        getattr(torch.ops.compiled_engine, name)(x, *weights, torch.randn(131).half())
+    with pytest.raises(ValueError, match="bias has 7 values"):
+        getattr(torch.ops.compiled_engine, name)(x, *weights, torch.randn(7))
+
+
+def test_quantized_linears_repack_a_weight_changed_in_place_and_drop_a_dead_weights_copy():
+    generator = torch.Generator().manual_seed(5)
+    q8 = quantize_int8(torch.randn(70, 64, generator=generator))
+    q4 = quantize_int4(torch.randn(70, 64, generator=generator), 32)
+    x = torch.randn(3, 64, generator=generator)
+    before = cpu_ops.packed_copies("quantized")
+    first8 = torch.ops.compiled_engine.cpu_gemv_int8(x, q8.qweight, q8.scales, None)
+    first4 = torch.ops.compiled_engine.cpu_gemm_int4(x, q4.qweight, q4.scales, q4.zeros, 32, None)
+    assert cpu_ops.packed_copies("quantized") == before + 2
+    with torch.no_grad():
+        q8.scales.mul_(-2.0)  # scales count: a change to them alone repacks too
+        q4.zeros.add_(1.0)
+    assert torch.equal(torch.ops.compiled_engine.cpu_gemv_int8(x, q8.qweight, q8.scales, None), -2.0 * first8)
+    shifted = torch.ops.compiled_engine.cpu_gemm_int4(x, q4.qweight, q4.scales, q4.zeros, 32, None)
+    torch.testing.assert_close(shifted, first4 + x.sum(dim=1, keepdim=True), rtol=1e-4, atol=1e-3)
+    assert cpu_ops.packed_copies("quantized") == before + 2
+    del q8, q4
+    gc.collect()
+    assert cpu_ops.packed_copies("quantized") == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -172,6 +258,10 @@ def test_the_python_implementations_refuse_tensors_off_the_cpu():
     for python_implementation in (cpu_gemv._cpu_gemv, onednn_linear._onednn_linear):
         with pytest.raises(ValueError, match="runs on CPU tensors"):
             python_implementation(meta_x, meta_w, None)
+    for name, python_implementation in QUANTIZED_OPS.items():
+        weights = _quantized(name, torch.Generator().manual_seed(6), torch.float32, 4, 64)
+        with pytest.raises(ValueError, match="runs on CPU tensors"):
+            python_implementation(torch.empty(1, 64, device="meta"), *weights, None)
     batch = make_attention_batch([(5, 3)], dtype=torch.float32, device="meta")
     with pytest.raises(ValueError, match="runs on CPU tensors"):
         cpu_attention.paged_attention_cpu(*batch.args(batch.kv_cache), 0.25)
