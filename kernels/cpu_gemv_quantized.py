@@ -38,7 +38,7 @@ from compiled_engine.kernels.cpu_gemv import (
 )
 from compiled_engine.kernels.quantized_linear import int4_linear_fake, int8_linear_fake
 from compiled_engine.kernels.source_version import files_version, module_file
-from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES
+from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES, QuantizedWeight, dequantize
 
 SOURCE = Path(__file__).with_name("cpu_gemv_quantized.cpp")
 CPU_GEMV_QUANTIZED_VERSION = files_version(
@@ -49,6 +49,11 @@ CPU_GEMV_QUANTIZED_VERSION = files_version(
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# From this many rows (a prompt's) the many-rows ops dequantize the weight once into x's dtype and
+# run torch's GEMM (oneDNN) instead of the kernel: its tile path re-reads every row of x for each
+# 64-output block, and past a few hundred rows x leaves L2 (docs/quantization.md, "How it runs").
+# kDequantizeRows in kernels/cpu_ops.cpp, which does the same in C++.
+DEQUANTIZE_ROWS = 512
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -322,8 +327,10 @@ def _int8_linear(
     tiles: bool,
 ) -> torch.Tensor:
     rows, path = _paths(x, qweight.shape[-1], isa, tiles)
-    entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales)
     bias = _bias(bias, x)
+    if tiles and isa is None and rows.shape[0] >= DEQUANTIZE_ROWS:
+        return F.linear(x, dequantize(QuantizedWeight(qweight, scales, None, None), x.dtype), bias)
+    entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales = entry.pointers
     code = (_int8_tiles_kernel() if tiles else _int8_kernel())(
@@ -373,8 +380,10 @@ def _int4_linear(
     tiles: bool,
 ) -> torch.Tensor:
     rows, path = _paths(x, 2 * qweight.shape[-1], isa, tiles)
-    entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
     bias = _bias(bias, x)
+    if tiles and isa is None and rows.shape[0] >= DEQUANTIZE_ROWS:
+        return F.linear(x, dequantize(QuantizedWeight(qweight, scales, zeros, group_size), x.dtype), bias)
+    entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales, offsets, *scale_zero = entry.pointers
     code = (_int4_tiles_kernel() if tiles else _int4_kernel())(

@@ -20,6 +20,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/intrusive_ptr.h>
@@ -28,6 +29,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -282,6 +284,82 @@ int quantized_path(const at::Tensor& x, bool many_rows) {
                                                        : g_quantized_gemv_path.load(std::memory_order_relaxed);
 }
 
+// Many rows (a prompt's): the weight dequantized once into x's dtype, then torch's GEMM (oneDNN).
+// The kernels' tile path dequantizes each 64-output block once but re-reads every row of x for
+// each block: past a few hundred rows x leaves L2 and the tiles lose to the float GEMM by 1.5-3.6x
+// (the 0.5B shape's linears at 4,096 rows, docs/quantization.md); the dequantization, a pass over
+// the weight, is then a few percent of the GEMM. Fewer rows keep the kernels.
+constexpr int64_t kDequantizeRows = 512;
+
+template <typename T>
+inline T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint32_t bits;  // round to nearest even, as torch's conversion (the values are finite)
+    std::memcpy(&bits, &v, sizeof bits);
+    return c10::BFloat16(static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16), c10::BFloat16::from_bits());
+  } else {
+    return T(v);
+  }
+}
+
+// kernels/weight_quantization.py's dequantize, into `T`: q * scale (int8), (q - 8) * scale + zero
+// (int4, per group), in float32 as there, then rounded to T. The library is built with
+// -ffp-contract=off (kernels/cpu_ops.py), so the multiply and the add round apart, as torch's two ops.
+template <typename T>
+void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* zeros, int64_t group_size,
+                     at::Tensor& out) {
+  const int64_t n = out.size(0), k = out.size(1);
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  const at::Tensor z = zeros != nullptr ? zeros->to(at::kFloat).contiguous() : at::Tensor();
+  const float* sp = s.data_ptr<float>();
+  const float* zp = zeros != nullptr ? z.data_ptr<float>() : nullptr;
+  T* op = out.data_ptr<T>();
+  if (zeros == nullptr) {
+    const int8_t* q = qweight.data_ptr<int8_t>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t c = 0; c < k; ++c) op[r * k + c] = from_float<T>(static_cast<float>(q[r * k + c]) * sp[r]);
+    });
+    return;
+  }
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const int64_t groups = k / group_size;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g) {  // a group's scale and zero, then its bytes (two features each)
+        const float scale = sp[r * groups + g], zero = zp[r * groups + g];
+        const uint8_t* bytes = q + r * (k / 2) + g * (group_size / 2);
+        T* values = op + r * k + g * group_size;
+        for (int64_t j = 0; j < group_size / 2; ++j) {
+          values[2 * j] = from_float<T>(static_cast<float>((bytes[j] & 0x0F) - 8) * scale + zero);
+          values[2 * j + 1] = from_float<T>(static_cast<float>((bytes[j] >> 4) - 8) * scale + zero);
+        }
+      }
+  });
+}
+
+// x @ dequantized(weight)^T (+ bias) through torch's GEMM, the weight dequantized into a buffer
+// kept per thread (a prompt's linears reuse it instead of faulting in a fresh one each call).
+at::Tensor dequantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                              const at::Tensor* zeros, int64_t group_size, int64_t out_features, int64_t in_features,
+                              const std::optional<at::Tensor>& bias) {
+  thread_local at::Tensor scratch;
+  const int64_t numel = out_features * in_features;
+  if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < numel) {
+    scratch = at::Tensor();  // the old buffer goes first
+    scratch = at::empty({numel}, x.options());
+  }
+  at::Tensor weight = scratch.narrow(0, 0, numel).view({out_features, in_features});
+  switch (x.scalar_type()) {
+    case at::kFloat: dequantize_rows<float>(qweight, scales, zeros, group_size, weight); break;
+    case at::kBFloat16: dequantize_rows<c10::BFloat16>(qweight, scales, zeros, group_size, weight); break;
+    default: dequantize_rows<c10::Half>(qweight, scales, zeros, group_size, weight); break;
+  }
+  return at::linear(x, weight, bias);
+}
+
 template <bool kManyRows>
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
@@ -291,6 +369,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK_VALUE(scales.numel() == out_features, "cpu_gemv_int8: ", scales.numel(), " scales for ",
                     out_features, " outputs");
   QuantizedCall call = quantized_call(x, in_features, out_features, bias);
+  if (kManyRows && call.rows.size(0) >= kDequantizeRows) {
+    return dequantized_linear(x, qweight, scales, nullptr, 0, out_features, in_features, call.bias);
+  }
   const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), 0};
   const std::vector<at::Tensor> packed = packed_copy(g_quantized_mutex, g_quantized, qweight, version,
                                                      [&] { return pack_int8(qweight, scales); });
@@ -317,6 +398,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                     "cpu_gemv_int4: scales and zeros must be ", c10::IntArrayRef(groups), ", got ", scales.sizes(),
                     " and ", zeros.sizes());
   QuantizedCall call = quantized_call(x, in_features, out_features, bias);
+  if (kManyRows && call.rows.size(0) >= kDequantizeRows) {
+    return dequantized_linear(x, qweight, scales, &zeros, group_size, out_features, in_features, call.bias);
+  }
   const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), version_of(zeros)};
   const std::vector<at::Tensor> packed = packed_copy(g_quantized_mutex, g_quantized, qweight, version,
                                                      [&] { return pack_int4(qweight, scales, zeros); });

@@ -55,6 +55,9 @@ def _flags(kernel_libraries: list[Path]) -> list[str]:
     include, lib = torch_dir / "include", torch_dir / "lib"
     return [
         _STANDARD,
+        # The dequantized weights' maths as torch's (kernels/cpu_ops.cpp, dequantize_rows): a
+        # multiply then an add, each rounded, never one fused multiply-add.
+        "-ffp-contract=off",
         f"-I{include}",
         f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",

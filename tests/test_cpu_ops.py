@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compiled_engine.kernels import (
     cpu_attention,
@@ -24,7 +25,12 @@ from compiled_engine.kernels import (
     cpu_ops,
     onednn_linear,
 )
-from compiled_engine.kernels.weight_quantization import quantize_int4, quantize_int8
+from compiled_engine.kernels.weight_quantization import (
+    QuantizedWeight,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.attention_batches import fuse_qkv, make_attention_batch, quantized_cache
 from tests.test_cpu_attention_kv_quant import CASES
 
@@ -130,6 +136,29 @@ def test_quantized_linears_equal_the_python_implementations(name, dtype):
             for b in (None, bias):
                 assert torch.equal(op(x, *weights, b), python(x, *weights, b)), (rows, x.stride(), b is None)
     assert op(torch.randn(1, 0, 256).to(dtype), *weights, None).shape == (1, 0, 131)
+
+
+@pytest.mark.parametrize("name", ["cpu_gemm_int8", "cpu_gemm_int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_many_rows_dequantize_once_from_the_threshold(name, dtype):
+    # From DEQUANTIZE_ROWS rows both implementations run torch's GEMM over the weight dequantized
+    # once (what kernels/weight_quantization.py's dequantize gives, bit for bit); one row fewer,
+    # the kernel. The two sides' thresholds must agree: the last row count before it checks that.
+    op, python = getattr(torch.ops.compiled_engine, name).default, QUANTIZED_OPS[name]
+    generator = torch.Generator().manual_seed(8)
+    weights = _quantized(name, generator, dtype, out_features=70)
+    bias = torch.randn(70, generator=generator).to(dtype)
+    q = QuantizedWeight(*weights) if name.endswith("int4") else QuantizedWeight(*weights, None, None)
+    threshold = cpu_gemv_quantized.DEQUANTIZE_ROWS
+    for rows in (threshold - 1, threshold, threshold + 37):
+        x = torch.randn(rows, 256, generator=generator).to(dtype)
+        for b in (None, bias):
+            got = op(x, *weights, b)
+            assert torch.equal(got, python(x, *weights, b)), (rows, b is None)
+            if rows >= threshold:
+                assert torch.equal(got, F.linear(x, dequantize(q, dtype), b))
+    batched = torch.randn(2, threshold // 2, 256, generator=generator).to(dtype)  # the rows of every batch
+    assert torch.equal(op(batched, *weights, None), F.linear(batched, dequantize(q, dtype)))
 
 
 @pytest.mark.parametrize(
