@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import report
 from bench.floors import HardwareRates, model_floors
 from bench.workloads import hf_batches, mixed_requests, sizes_for
-from compiled_engine.kernels import cpu_gemv
+from compiled_engine.kernels import cpu_gemv, cpu_gemv_quantized
+from compiled_engine.kernels.onednn_linear import onednn_linear_available
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,15 +54,18 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     # ttft, decode and throughput on bench-small, each for ours and HF; the detokenizer, Rust and
     # transformers decode; host work per step with the null model at 1, 64 and 256 running requests;
     # decode attention on bf16, int8 and fp8 KV caches, and int8 against bf16 interleaved; the
-    # sampler's draw, ours and the exponential race, at two vocabulary sizes; the greedy pick, argmax
-    # and max's indices, at two shapes; one step's outputs on the engine process's pipe, old records
-    # and the wire form, at two prompt lengths; the attention, GEMV and oneDNN linear ops' calls,
-    # through the dispatcher, their Python implementations and their kernels alone; the openai
-    # client's cost per request, four prompt forms; a verification step's attention, its rows in
-    # one walk against one walk each; and where the GEMV has its AMX tile path, the dot path at 5
-    # row counts and the tiles at 3, for 3 weight shapes.
+    # sampler's picks and draws (torch's and the C++ kernel's, at their shapes); one step's outputs
+    # on the engine process's pipe, old records and the wire form, at two prompt lengths; the
+    # attention, GEMV, oneDNN linear and quantized GEMV (int8, int4) ops' calls, through the
+    # dispatcher, their Python implementations and their kernels alone; the openai client's cost
+    # per request, four prompt forms; a verification step's attention, its rows in one walk against
+    # one walk each. Where the GEMV has its AMX tile path: the dot path at 5 row counts and the tiles
+    # at 3, for 3 weight shapes, and the tiles against oneDNN at 7 row counts (31); where the
+    # quantized kernel's tile path and oneDNN's bf16 GEMM run, the quantized linears at 64 rows (2).
     tiles = cpu_gemv.gemv_isa() >= cpu_gemv.ISA_AMX_TILES
-    assert f"{65 if tiles else 41} passed" in stdout, stdout[-2000:]
+    quantized_tiles = cpu_gemv_quantized.tiles_available() and onednn_linear_available(torch.bfloat16)
+    expected = 58 + (31 if tiles else 0) + (2 if quantized_tiles else 0)
+    assert f"{expected} passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow
