@@ -3,7 +3,8 @@ through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight vari
 `cpu_gemm_int8` / `cpu_gemm_int4`, the same maths for many rows: on the kernel's tile path (each
 64-output block dequantized to bf16 once and multiplied with every row on AMX; bf16 activations on
 a CPU with AMX BF16), on CPUs with AVX2 but no AVX-512 its dequantize-once path (a block's chunk
-dequantized to float32 in L1 once per call and multiplied with every row), else the GEMV's loops.
+dequantized to float32 in L1 once per call and multiplied with every row), else the GEMV's loops;
+from DEQUANTIZE_ROWS rows, the whole weight dequantized once and torch's GEMM instead of the kernel.
 
 Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
 the other (graphs/passes/cpu_gemv_quantized.py) in the buckets where the GEMV policy measured this
@@ -12,6 +13,9 @@ quantized tensors (kernels/weight_quantization.py) and `PACKED_QUANTIZED_WEIGHTS
 packed in the kernel's 64-feature blocks (the .cpp header), weakly keyed on the quantized weight
 and repacked if it changes in place. The library is built at first use
 (kernels/cpu_attention_build.py, keyed by source, compiler and CPU).
+
+The ops' implementations here are the fallback: where kernels/cpu_ops.cpp builds, its C++ ones
+(same checks, same results, their own packed copies) serve every call (kernels/cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -463,7 +467,8 @@ _LIBRARY.define(
 )
 # The Python implementations are CompositeExplicitAutograd, as kernels/cpu_gemv.py's: where the
 # ops' C++ implementations build (kernels/cpu_ops.py), their CPU kernels take precedence and a
-# graph's call runs no Python (~4 us a call, against ~15 here: ~100 calls a token at the 0.5B shape).
+# graph's call runs no Python (bench/test_op_call.py: ~7 us a call less, ~100 calls a token at the
+# 0.5B shape).
 _LIBRARY.impl("cpu_gemv_int8", _int8_op, "CompositeExplicitAutograd")
 _LIBRARY.impl("cpu_gemv_int4", _int4_op, "CompositeExplicitAutograd")
 torch.library.register_fake("compiled_engine::cpu_gemv_int8", int8_linear_fake, lib=_LIBRARY)

@@ -26,6 +26,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -258,7 +259,7 @@ struct QuantizedCall {
 };
 
 QuantizedCall quantized_call(const at::Tensor& x, int64_t in_features, int64_t out_features,
-                             const std::optional<at::Tensor>& bias) {
+                             const std::optional<at::Tensor>& bias, bool allocate_out) {
   const int code = dtype_code(x.scalar_type());
   TORCH_CHECK_VALUE(code >= 0, "cpu_gemv_quantized takes float32, bfloat16 or float16 activations, got ",
                     x.scalar_type());
@@ -276,7 +277,7 @@ QuantizedCall quantized_call(const at::Tensor& x, int64_t in_features, int64_t o
   if (!rows.is_contiguous()) rows = rows.contiguous();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = out_features;
-  return {rows, bias_rows, at::empty(sizes, x.options()), code};
+  return {rows, bias_rows, allocate_out ? at::empty(sizes, x.options()) : at::Tensor(), code};
 }
 
 int quantized_path(const at::Tensor& x, bool many_rows) {
@@ -286,9 +287,10 @@ int quantized_path(const at::Tensor& x, bool many_rows) {
 
 // Many rows (a prompt's): the weight dequantized once into x's dtype, then torch's GEMM (oneDNN).
 // The kernels' tile path dequantizes each 64-output block once but re-reads every row of x for
-// each block: past a few hundred rows x leaves L2 and the tiles lose to the float GEMM by 1.5-3.6x
-// (the 0.5B shape's linears at 4,096 rows, docs/quantization.md); the dequantization, a pass over
-// the weight, is then a few percent of the GEMM. Fewer rows keep the kernels.
+// each block: past a few hundred rows x leaves L2, and at 4,096 rows the tiles took 2.4-2.6x bf16's
+// time against 1.2-1.3x this way (bench/test_quantized_many_rows.py, docs/quantization.md): the
+// dequantization, a pass over the weight, is a small part of the GEMM there. Fewer rows keep the
+// kernels (cpu_gemv_quantized.py's DEQUANTIZE_ROWS does the same).
 constexpr int64_t kDequantizeRows = 512;
 
 template <typename T>
@@ -311,20 +313,21 @@ template <typename T>
 void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* zeros, int64_t group_size,
                      at::Tensor& out) {
   const int64_t n = out.size(0), k = out.size(1);
+  const at::Tensor codes = qweight.contiguous();
   const at::Tensor s = scales.to(at::kFloat).contiguous();
   const at::Tensor z = zeros != nullptr ? zeros->to(at::kFloat).contiguous() : at::Tensor();
   const float* sp = s.data_ptr<float>();
   const float* zp = zeros != nullptr ? z.data_ptr<float>() : nullptr;
   T* op = out.data_ptr<T>();
   if (zeros == nullptr) {
-    const int8_t* q = qweight.data_ptr<int8_t>();
+    const int8_t* q = codes.data_ptr<int8_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t c = 0; c < k; ++c) op[r * k + c] = from_float<T>(static_cast<float>(q[r * k + c]) * sp[r]);
     });
     return;
   }
-  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const uint8_t* q = codes.data_ptr<uint8_t>();
   const int64_t groups = k / group_size;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -368,10 +371,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t out_features = qweight.size(0), in_features = qweight.size(1);
   TORCH_CHECK_VALUE(scales.numel() == out_features, "cpu_gemv_int8: ", scales.numel(), " scales for ",
                     out_features, " outputs");
-  QuantizedCall call = quantized_call(x, in_features, out_features, bias);
-  if (kManyRows && call.rows.size(0) >= kDequantizeRows) {
-    return dequantized_linear(x, qweight, scales, nullptr, 0, out_features, in_features, call.bias);
-  }
+  const bool dequantize = kManyRows && x.numel() / std::max<int64_t>(in_features, 1) >= kDequantizeRows;
+  QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize);
+  if (dequantize) return dequantized_linear(x, qweight, scales, nullptr, 0, out_features, in_features, call.bias);
   const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), 0};
   const std::vector<at::Tensor> packed = packed_copy(g_quantized_mutex, g_quantized, qweight, version,
                                                      [&] { return pack_int8(qweight, scales); });
@@ -397,8 +399,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK_VALUE(scales.sizes() == c10::IntArrayRef(groups) && zeros.sizes() == c10::IntArrayRef(groups),
                     "cpu_gemv_int4: scales and zeros must be ", c10::IntArrayRef(groups), ", got ", scales.sizes(),
                     " and ", zeros.sizes());
-  QuantizedCall call = quantized_call(x, in_features, out_features, bias);
-  if (kManyRows && call.rows.size(0) >= kDequantizeRows) {
+  const bool dequantize = kManyRows && x.numel() / std::max<int64_t>(in_features, 1) >= kDequantizeRows;
+  QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize);
+  if (dequantize) {
     return dequantized_linear(x, qweight, scales, &zeros, group_size, out_features, in_features, call.bias);
   }
   const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), version_of(zeros)};

@@ -10,9 +10,9 @@ Python.
 How: the ops' schemas, fake implementations and Python implementations stay in
 kernels/cpu_gemv.py, kernels/cpu_attention.py, kernels/onednn_linear.py and
 kernels/cpu_gemv_quantized.py. The Python ones are registered as CompositeExplicitAutograd,
-which a CPU kernel takes precedence over, so loading this
-library switches every later call to C++ and not loading it (no compiler, no torch headers, a
-failed build) leaves the Python ones serving.
+which a CPU kernel takes precedence over, so loading this library switches every later call to
+C++ and not loading it (no compiler, no torch headers, a failed build) leaves the Python ones
+serving.
 
 The library is built at first use into the same folder as the kernels' own libraries
 (kernels/cpu_attention_build.py), compiled against the running torch's headers and linked to
