@@ -21,12 +21,10 @@ and the tiles' over oneDNN's are printed and kept in extra_info.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 import torch
 
+from bench.interleaved import interleaved_medians
 from compiled_engine.kernels import cpu_gemv
 from compiled_engine.kernels.cpu_attention_build import compiler
 from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear_available
@@ -113,17 +111,8 @@ def test_tiles_against_onednn(benchmark, request, rows):
     for x, w, out in zip(xs[-2:], weights[-2:], outs[-2:], strict=True):
         torch.testing.assert_close(out.float(), onednn(x, w, None).float(), rtol=2e-2, atol=2e-1)
     onednn_pass()
-    times: dict[str, list[float]] = {"tiles": [], "onednn": []}
-
-    def one_round() -> None:
-        for name, run in (("tiles", tiles_pass), ("onednn", onednn_pass)):
-            started = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - started)
-
     benchmark.group = f"bench-small's linears, bf16, {rows} rows: tiles and oneDNN interleaved"
-    benchmark.pedantic(one_round, rounds=PASSES[profile], iterations=1)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    medians = interleaved_medians(benchmark, {"tiles": tiles_pass, "onednn": onednn_pass}, PASSES[profile])
     ratio = medians["tiles"] / medians["onednn"]
     benchmark.extra_info.update(
         rows=rows, tiles_median_s=medians["tiles"], onednn_median_s=medians["onednn"],

@@ -15,13 +15,13 @@ each builds its cache (~270 MB for bf16) when it starts. Smoke: 4 sequences at 2
 
 from __future__ import annotations
 
-import statistics
-import time
+import functools
 
 import pytest
 import torch
 
 import compiled_engine.kernels  # noqa: F401  (registers the ops)
+from bench.interleaved import interleaved_medians
 from compiled_engine.kernels import kv_quant
 from compiled_engine.kernels.cpu_attention_build import compiler
 from compiled_engine.worker.kv_cache import allocate_kv_caches
@@ -104,17 +104,9 @@ def test_int8_over_bf16_interleaved(benchmark, request):
     steps = {dtype: decode_step(num_seqs, context, dtype) for dtype in ("auto", "int8")}
     for args in steps.values():
         op(*args)  # warm-up
-    times: dict[str, list[float]] = {dtype: [] for dtype in steps}
-
-    def one_round() -> None:
-        for dtype, args in steps.items():
-            started = time.perf_counter()
-            op(*args)
-            times[dtype].append(time.perf_counter() - started)
-
     benchmark.group = f"decode attention per layer, {num_seqs} seqs x {context} tokens, interleaved"
-    benchmark.pedantic(one_round, rounds=2 * rounds, iterations=1, warmup_rounds=0)
-    medians = {dtype: statistics.median(ts) for dtype, ts in times.items()}
+    passes = {dtype: functools.partial(op, *args) for dtype, args in steps.items()}
+    medians = interleaved_medians(benchmark, passes, 2 * rounds, warmup_rounds=0)
     ratio = medians["int8"] / medians["auto"]
     benchmark.extra_info.update(
         bf16_median_s=medians["auto"], int8_median_s=medians["int8"], int8_over_bf16=ratio,

@@ -16,12 +16,13 @@ and op/bf16, tiles/bf16 are printed and kept in extra_info. Needs the tile path 
 
 from __future__ import annotations
 
-import statistics
-import time
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from bench.interleaved import interleaved_medians
 from compiled_engine.kernels import cpu_gemv_quantized
 from compiled_engine.kernels.cpu_attention_build import compiler
 from compiled_engine.kernels.onednn_linear import onednn_linear_available
@@ -40,16 +41,6 @@ ROWS = {"full": (64, 512, 4096), "quick": (64, 512, 4096), "smoke": (64,)}
 PASSES = {"full": 7, "quick": 3, "smoke": 1}
 
 
-def _tile_pass(scheme: str, x: torch.Tensor, quantized: list) -> None:
-    for q in quantized:
-        if scheme == "int8":
-            cpu_gemv_quantized.cpu_gemm_int8_linear(x, q.qweight, q.scales, isa=cpu_gemv_quantized.ISA_AMX)
-        else:
-            cpu_gemv_quantized.cpu_gemm_int4_linear(
-                x, q.qweight, q.scales, q.zeros, 32, isa=cpu_gemv_quantized.ISA_AMX
-            )
-
-
 @pytest.mark.parametrize("rows", [64, 512, 4096])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_many_rows(benchmark, request, scheme, rows):
@@ -61,35 +52,34 @@ def test_quantized_many_rows(benchmark, request, scheme, rows):
     quantized = [quantize_int8(w) if scheme == "int8" else quantize_int4(w, 32) for w in weights]
     inputs = {i: torch.randn(rows, i, generator=generator).to(torch.bfloat16) for _, i in LAYER}
     ops = torch.ops.compiled_engine
-    op = ops.cpu_gemm_int8.default if scheme == "int8" else ops.cpu_gemm_int4.default
+    linear: Callable[..., torch.Tensor]  # the Python implementation, which can force the tiles
+    operands: list[tuple]
+    if scheme == "int8":
+        op, linear = ops.cpu_gemm_int8.default, cpu_gemv_quantized.cpu_gemm_int8_linear
+        operands = [(q.qweight, q.scales) for q in quantized]
+    else:
+        op, linear = ops.cpu_gemm_int4.default, cpu_gemv_quantized.cpu_gemm_int4_linear
+        operands = [(q.qweight, q.scales, q.zeros, 32) for q in quantized]
+    tiles = functools.partial(linear, isa=cpu_gemv_quantized.ISA_AMX)
+    calls = [(inputs[w.shape[1]], w, q) for w, q in zip(weights, operands, strict=True)]
 
     def bf16_pass() -> None:
-        for w in weights:
-            ops.onednn_linear(inputs[w.shape[1]], w, None)
+        for x, w, _ in calls:
+            ops.onednn_linear(x, w, None)
 
     def op_pass() -> None:
-        for q in quantized:
-            operands = (q.qweight, q.scales) if scheme == "int8" else (q.qweight, q.scales, q.zeros, 32)
-            op(inputs[q.in_features], *operands, None)
+        for x, _, q in calls:
+            op(x, *q, None)
 
     def tile_pass() -> None:
-        for q in quantized:
-            _tile_pass(scheme, inputs[q.in_features], [q])
+        for x, _, q in calls:
+            tiles(x, *q)
 
     passes = {"bf16": bf16_pass, "op": op_pass, "tiles": tile_pass}
     for run in passes.values():
         run()  # warm-up: packed copies, oneDNN's primitives
-    times: dict[str, list[float]] = {name: [] for name in passes}
-
-    def one_round() -> None:
-        for name, run in passes.items():
-            started = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - started)
-
     benchmark.group = f"the 0.5B shape's layer linears, {scheme}, {rows} rows: bf16, op and tiles interleaved"
-    benchmark.pedantic(one_round, rounds=PASSES[profile], iterations=1)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    medians = interleaved_medians(benchmark, passes, PASSES[profile])
     benchmark.extra_info.update(
         scheme=scheme, rows=rows, **{f"{name}_median_s": s for name, s in medians.items()},
         op_over_bf16=medians["op"] / medians["bf16"], tiles_over_bf16=medians["tiles"] / medians["bf16"],
