@@ -248,6 +248,10 @@ inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
 constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
 constexpr int64_t kSpan = 4;  // blocks per online-softmax update (attend_rows)
 
+// int16 weights a query vector's span takes in span_values_vnni's layout (each block padded to an
+// even count), rounded up to even so every vector's pairs start 4-byte aligned.
+inline int64_t vnni_weights_stride(int64_t block_size) { return (kSpan * (block_size + 1) + 1) / 2 * 2; }
+
 // kLocality: __builtin_prefetch's (1: into the outer caches; 3: into L1 as well).
 template <int kLocality>
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -377,11 +381,22 @@ void block_scores(const float* q, int64_t group, const C* first_row, int64_t str
 constexpr int kInt8QueryBytes = 4;  // per head dim value: qhi and qlo, each stored twice (both halves)
 
 // One query head's bytes for block_scores_vnni at dst ([hi pairs | lo pairs], 2 * 2 * D bytes), the
-// int32 correction 256 * 128 * sum(qhi) and the scale; q is float [D].
+// int32 correction 256 * 128 * sum(qhi) and the scale; q is float [D]. A query holding a NaN or an
+// infinity gets a NaN scale, so its scores, weights and output are NaN, as the reference gives.
 template <int kHeadDim>
 inline void quantize_query_vnni(const float* q, int8_t* dst, int32_t* correction, float* qscale) {
   float amax = 0.0f;
-  for (int d = 0; d < kHeadDim; ++d) amax = std::max(amax, std::fabs(q[d]));
+  bool finite = true;
+  for (int d = 0; d < kHeadDim; ++d) {
+    amax = std::max(amax, std::fabs(q[d]));
+    finite = finite && std::isfinite(q[d]);
+  }
+  if (!finite) {  // no 16-bit form: zero bytes and a NaN scale make every score NaN, as in float maths
+    std::memset(dst, 0, kInt8QueryBytes * kHeadDim);
+    *correction = 0;
+    *qscale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
   const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
   const float inv = 1.0f / scale;
   int8_t* hi = dst;
@@ -463,6 +478,154 @@ void block_scores_vnni(const int8_t* qbytes, const int32_t* correction, const fl
   }
 }
 
+// int8 values against the softmax weights of a bf16 / fp16 query, in integer maths with vpdpwssd
+// (32 signed 16-bit products summed two by two into 16 int32 lanes, one instruction). The float
+// loop (block_values) widens every code to float and spends one FMA per code and query vector;
+// here two keys' codes share a register, sign-extended to 16 bits and interleaved (key j's code
+// for dim d beside key j + 1's), and meet a broadcast pair of the two keys' weights. A weight,
+// softmax weight p_j <= 1 times the row's scale s_j, is rounded to 15 bits of the span's largest
+// scale: w16 = round(p_j * s_j * 32767 / smax), at most smax / 65534 off, a fraction of the
+// int8 code's own rounding (s_j / 2 a value) and finer than the bf16 / fp16 output's, like the
+// query's 16 bits in block_scores_vnni. The int32 sums are exact while a span holds at most
+// kVnniMaxPairs pairs (kVnniMaxPairs * 2 * 32767 * 127 < 2^31); they are scaled by smax / 32767
+// into the float accumulators once per span. A span with a NaN or infinite scale, or a query
+// vector whose softmax sum is not finite, takes the float loop, which lets them through as before.
+constexpr int64_t kVnniMaxPairs = 256;
+
+// The value scales of a KV head's span (first_row[b], span_len[b] rows stride_slot bytes apart),
+// times 32767 / smax, at factor[0 .. n); *unit = smax / 32767. False if a scale is NaN or infinite.
+inline bool span_scale_factors(const int8_t* const* first_row, const int64_t* span_len, int64_t num_blocks,
+                               int64_t stride_slot, int64_t scale_offset, float* factor, float* unit) {
+  const __m512i index =
+      _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(stride_slot))),
+                       _mm512_set1_epi32(static_cast<int32_t>(scale_offset)));
+  __m512 top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+  int64_t n = 0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int64_t j = 0; j < span_len[b]; j += 16, n += 16) {
+      const int64_t m = std::min<int64_t>(16, span_len[b] - j);
+      const __mmask16 keep = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
+      const __m512 scale =
+          _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, index, first_row[b] + j * stride_slot, 1);
+      _mm512_mask_storeu_ps(factor + n, keep, scale);
+      top = _mm512_max_ps(top, scale);
+      total = _mm512_add_ps(total, scale);  // NaN and infinity stick in a sum of positive scales
+    }
+    n -= (16 - span_len[b] % 16) % 16;
+  }
+  const float sum = _mm512_reduce_add_ps(total), smax = _mm512_reduce_max_ps(top);
+  if (!(sum <= std::numeric_limits<float>::max()) || !(smax > 0.0f)) return false;
+  const __m512 inv = _mm512_set1_ps(32767.0f / smax);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+    _mm512_mask_storeu_ps(factor + j, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, factor + j), inv));
+  }
+  *unit = smax / 32767.0f;
+  return true;
+}
+
+// The span's weights of `group` query vectors as 16-bit pairs for span_values_vnni: vector g's at
+// w16 + g * stride, block b's keys from 2 * (pairs before b) on, an odd block's last key paired
+// with a zero. weights: vector g's span weights at weights + g * sbs; factor: span_scale_factors'.
+inline void span_weights_vnni(const float* weights, int64_t sbs, int64_t group, const float* factor,
+                              const int64_t* span_len, int64_t num_blocks, int16_t* w16, int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* wg = weights + g * sbs;
+    int16_t* out = w16 + g * stride;
+    for (int64_t b = 0, offset = 0, at = 0; b < num_blocks; ++b) {
+      const int64_t m = span_len[b];
+      for (int64_t j = 0; j < m; j += 16) {
+        const __mmask16 keep = static_cast<__mmask16>(m - j >= 16 ? 0xffffu : (1u << (m - j)) - 1u);
+        const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, wg + offset + j),
+                                       _mm512_maskz_loadu_ps(keep, factor + offset + j));
+        _mm512_mask_cvtepi32_storeu_epi16(out + at + j, keep, _mm512_cvtps_epi32(w));
+      }
+      if (m & 1) out[at + m] = 0;
+      offset += m;
+      at += m + (m & 1);
+    }
+  }
+}
+
+// acc[g * kHeadDim + d] += unit * sum_j w16[g][j] * row_j[d] over the span's blocks (first_row[b],
+// span_len[b] keys stride_slot apart) for kGroup query vectors, accumulators in registers.
+template <int kHeadDim, int kGroup>
+void span_values_vnni_fixed(float* acc, const int16_t* w16, int64_t stride, float unit,
+                            const int8_t* const* first_row, const int64_t* span_len, int64_t num_blocks,
+                            int64_t stride_slot) {
+  constexpr int kChunks = kHeadDim / 32;  // 32 codes a chunk: two int32 registers (lo, hi)
+  __m512i sums[kGroup][2 * kChunks];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 2 * kChunks; ++c) sums[g][c] = _mm512_setzero_si512();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(w16);
+  const int64_t pair_stride = stride / 2;
+  for (int64_t b = 0, at = 0; b < num_blocks; ++b) {
+    const int64_t m = span_len[b];
+    for (int64_t j = 0; j < m; j += 2, ++at) {
+      const int8_t* r0 = first_row[b] + j * stride_slot;
+      const int8_t* r1 = j + 1 < m ? r0 + stride_slot : r0;  // weight 0 past the block's end
+      __m512i lo[kChunks], hi[kChunks];
+      for (int c = 0; c < kChunks; ++c) {
+        const __m256i* p0 = reinterpret_cast<const __m256i*>(r0 + 32 * c);
+        const __m256i* p1 = reinterpret_cast<const __m256i*>(r1 + 32 * c);
+        const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p0));
+        const __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p1));
+        lo[c] = _mm512_unpacklo_epi16(x0, x1);  // per 128-bit lane L: dims 8L .. 8L + 3 of the chunk
+        hi[c] = _mm512_unpackhi_epi16(x0, x1);  // dims 8L + 4 .. 8L + 7
+      }
+      for (int g = 0; g < kGroup; ++g) {
+        const __m512i w = _mm512_set1_epi32(pairs[g * pair_stride + at]);
+        for (int c = 0; c < kChunks; ++c) {
+          sums[g][2 * c] = _mm512_dpwssd_epi32(sums[g][2 * c], lo[c], w);
+          sums[g][2 * c + 1] = _mm512_dpwssd_epi32(sums[g][2 * c + 1], hi[c], w);
+        }
+      }
+    }
+  }
+  // Back into dim order: dims 0-15 of a chunk are lo's and hi's first halves of each lane, 16-31
+  // their second halves.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < kGroup; ++g) {
+    const __m512 u = _mm512_set1_ps(unit);
+    float* a = acc + g * kHeadDim;
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 lo = _mm512_cvtepi32_ps(sums[g][2 * c]), hi = _mm512_cvtepi32_ps(sums[g][2 * c + 1]);
+      _mm512_storeu_ps(a + 32 * c,
+                       _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, first, hi), u, _mm512_loadu_ps(a + 32 * c)));
+      _mm512_storeu_ps(a + 32 * c + 16,
+                       _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, second, hi), u, _mm512_loadu_ps(a + 32 * c + 16)));
+    }
+  }
+}
+
+// span_values_vnni_fixed over `group` query vectors, as many at a time as 16 accumulators hold.
+template <int kHeadDim>
+void span_values_vnni(float* acc, int64_t group, const int16_t* w16, int64_t stride, float unit,
+                      const int8_t* const* first_row, const int64_t* span_len, int64_t num_blocks,
+                      int64_t stride_slot) {
+  constexpr int kPerVector = kHeadDim / 16;
+  for (int64_t g = 0; g < group;) {
+    const int64_t left = group - g;
+    float* a = acc + g * kHeadDim;
+    const int16_t* w = w16 + g * stride;
+    if constexpr (4 * kPerVector <= 16) {
+      if (left >= 4) {
+        span_values_vnni_fixed<kHeadDim, 4>(a, w, stride, unit, first_row, span_len, num_blocks, stride_slot);
+        g += 4;
+        continue;
+      }
+    }
+    if (left >= 2) {
+      span_values_vnni_fixed<kHeadDim, 2>(a, w, stride, unit, first_row, span_len, num_blocks, stride_slot);
+      g += 2;
+      continue;
+    }
+    span_values_vnni_fixed<kHeadDim, 1>(a, w, stride, unit, first_row, span_len, num_blocks, stride_slot);
+    g += 1;
+  }
+}
 #endif
 
 #ifdef CE_ATTENTION_SIMD
@@ -612,8 +775,14 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
   int32_t* qcorrection = reinterpret_cast<int32_t*>(qscale + heads);
   int8_t* qbytes = reinterpret_cast<int8_t*>(qcorrection + heads);
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-  constexpr bool kVnniKeys = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
-                             kHeadDim % 64 == 0 && kHeadDim <= 128;
+  constexpr bool kVnni = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
+                         kHeadDim % 64 == 0 && kHeadDim <= 128;
+  // ... and its values (span_values_vnni): one KV head's span of scale factors and 16-bit weights.
+  float* factor = reinterpret_cast<float*>(qbytes + heads * kInt8QueryBytes * D);
+  int16_t* w16 = reinterpret_cast<int16_t*>(factor + sbs);
+  const int64_t w16_stride = vnni_weights_stride(bs);
+  // The span's int32 sums stay exact (span_values_vnni) for blocks of up to ~127 keys.
+  const bool vnni_values = kSpan * (bs + 1) <= 2 * kVnniMaxPairs;
 #endif
 
   int64_t position = -1;  // row t0's; row t0 + r is at position + r
@@ -641,15 +810,19 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
     row_sum[i] = 0.0f;
   }
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-  if constexpr (kVnniKeys) {
+  if constexpr (kVnni) {
     for (int64_t i = 0; i < heads; ++i)
       quantize_query_vnni<kHeadDim>(q + i * D, qbytes + i * kInt8QueryBytes * D, qcorrection + i, qscale + i);
   }
 #endif
 
-  // Blocks sit anywhere in the cache, so the hardware prefetcher restarts cold at each one: ask
-  // for the rows of the block kAhead columns on while this one computes (and for the first ones
-  // up front), spread over this block's keys.
+  // Blocks sit anywhere in the cache, so the hardware prefetcher restarts cold at each one. The
+  // fast path asks for each span's data one phase before it is read: its values while its scores
+  // are computed, the next span's keys while its values are summed (and the first kAhead blocks'
+  // keys and values up front). Asking instead for the keys and values of the block kAhead columns
+  // on while each block's scores are computed measured slower for bf16 and int8 caches alike
+  // (docs/kv_cache_quantization.md, "Speed"). The plain loops keep that prefetch, spread over a
+  // block's keys.
   const int64_t row_bytes = (head_end - head_begin) * pb.stride_head * static_cast<int64_t>(sizeof(C));
   const int64_t last_column = (hi - 1) / bs;
   auto block_offset = [&](int64_t column) {  // where the block at this table column starts
@@ -689,20 +862,17 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
 #ifdef CE_ATTENTION_SIMD
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
         if (qgroup <= kFastGroup) {
-          if (ahead >= 0) {
-            for (int64_t r = 0; r < bs; ++r) prefetch_slot(ahead, r);
-          }
           {
-            // The prefetch above, kAhead blocks early, left the values of this block waiting on
-            // memory when the block_values loop reached them (the stall showed in profiles, and
-            // on a Zen 5 asking for them again here, into L1, took ~25% off an int8 cache's time).
+            // This block's values, read after the span's scores (on a Zen 5, asking for them here,
+            // into L1, took ~25% off an int8 cache's time, when the kAhead prefetch alone left
+            // them waiting on memory).
             const int64_t at = first_slot + head_begin * pb.stride_head;
             for (int64_t r = 0; r < m; ++r) prefetch_row<3>(values + at + r * pb.stride_slot, row_bytes);
           }
           for (int64_t h = head_begin; h < head_end; ++h) {
             const int64_t i0 = (h - head_begin) * qgroup;
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-            if constexpr (kVnniKeys) {
+            if constexpr (kVnni) {
               block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, qgroup,
                                           keys + first_slot + h * pb.stride_head, pb.stride_slot, m,
                                           pb.scale_offset, scores + i0 * sbs + n, sbs);
@@ -796,14 +966,43 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         for (int64_t d = 0; d < D; ++d) ai[d] *= correction;
       }
     }
+    // Heads whose span of values went through span_values_vnni (bit h - head_begin).
+    [[maybe_unused]] uint64_t vnni_heads = 0;
+#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
+    if constexpr (kVnni) {
+      if (fast && vnni_values && head_end - head_begin <= 64) {
+        for (int64_t h = head_begin; h < head_end; ++h) {
+          const int64_t i0 = (h - head_begin) * qgroup;
+          bool finite = true;  // every vector's softmax sum: no NaN or infinite weight
+          for (int64_t g = 0; g < qgroup; ++g) finite = finite && std::isfinite(row_sum[i0 + g]);
+          const int8_t* first_row[kSpan];
+          for (int64_t b = 0; b < num_blocks; ++b) first_row[b] = values + span_slot[b] + h * pb.stride_head;
+          float unit = 0.0f;
+          if (!finite ||
+              !span_scale_factors(first_row, span_len, num_blocks, pb.stride_slot, pb.scale_offset, factor, &unit))
+            continue;  // the float loop below
+          span_weights_vnni(scores + i0 * sbs, sbs, qgroup, factor, span_len, num_blocks, w16, w16_stride);
+          span_values_vnni<kHeadDim>(acc + i0 * D, qgroup, w16, w16_stride, unit, first_row, span_len, num_blocks,
+                                     pb.stride_slot);
+          vnni_heads |= uint64_t{1} << (h - head_begin);
+        }
+      }
+    }
+#endif
     for (int64_t b = 0, offset = 0; b < num_blocks; offset += span_len[b], ++b) {
       const int64_t first_slot = span_slot[b];
       const int64_t m = span_len[b];
+      if (fast && start < hi && start / bs + b <= last_column) {  // the next span's keys
+        // Written out here: GCC made a slower loop of the same lines as a lambda call.
+        const int64_t at = block_offset(start / bs + b) + head_begin * pb.stride_head;
+        for (int64_t r = 0; r < bs; ++r) prefetch_row<3>(keys + at + r * pb.stride_slot, row_bytes);
+      }
 #ifdef CE_ATTENTION_SIMD
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
         if (fast) {
           for (int64_t h = head_begin; h < head_end; ++h) {
             const int64_t i0 = (h - head_begin) * qgroup;
+            if (vnni_heads & (uint64_t{1} << (h - head_begin))) continue;  // done for the span above
             block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, qgroup, scores + i0 * sbs + offset, sbs,
                                                          values + first_slot + h * pb.stride_head, pb.stride_slot, m,
                                                          pb.scale_offset);
@@ -873,8 +1072,10 @@ void run(const Problem& pb, int num_threads) {
   const int64_t items = num_runs * chunks;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads;
   const int64_t heads = per_chunk * group * max_rows;
-  // q, acc, scores, max, sum; then the int8-key query's scales, corrections and bytes (4 a value).
-  const int64_t work_floats = heads * (2 * pb.head_dim + kSpan * pb.block_size + 2) + heads * (2 + pb.head_dim);
+  // q, acc, scores, max, sum; then the int8-key query's scales, corrections and bytes (4 a value);
+  // then the int8 values' span scale factors and 16-bit weights (attend_rows).
+  const int64_t work_floats = heads * (2 * pb.head_dim + kSpan * pb.block_size + 2) + heads * (2 + pb.head_dim) +
+                              kSpan * pb.block_size + heads * vnni_weights_stride(pb.block_size) / 2;
 #pragma omp parallel num_threads(num_threads)
   {
     // The write first; the loop's barrier keeps every read after it. Padding rows all land on

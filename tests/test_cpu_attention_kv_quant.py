@@ -49,6 +49,13 @@ CASES = {
         dict(num_q_heads=2, num_kv_heads=2, head_dim=128, block_size=32),
         {},
     ),
+    # Blocks of 128 keys: a span's int32 sums would not stay exact, so int8 values take the float
+    # loop (span_values_vnni serves blocks of up to 127).
+    "gqa2_d64_bs128_float_values": (
+        [(300, 1), (130, 2)],
+        dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=128),
+        {},
+    ),
 }
 
 
@@ -113,6 +120,47 @@ def test_writes_the_references_codes_for_ties_subnormals_and_extremes(dtype):
     batch.key, batch.value = values[:, None].clone(), -values[:, None].clone()
     _, _, kernel_cache, reference_cache = run_both(batch, quantized_cache(batch.kv_cache, dtype), 0.1)
     assert_same_codes(batch, kernel_cache, reference_cache)
+
+
+def test_int8_values_sums_are_exact_at_the_largest_block_the_integer_loop_takes():
+    # span_values_vnni sums a span's 16-bit weights times codes in int32: at blocks of 127 keys a
+    # span is 4 x 127 keys, and a flat softmax (a zero query: every weight the span's largest,
+    # 32767) over values whose codes are all 127 gives 508 * 32767 * 127, just under 2^31. Any
+    # overflow would show as a wrong sign or size; the output must be the value itself.
+    batch = make_attention_batch(
+        [(4 * 127 * 2 + 5, 1)],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=127,
+        dtype=torch.bfloat16,
+    )
+    batch.query = torch.zeros_like(batch.query)
+    written = torch.isfinite(batch.kv_cache[1])
+    batch.kv_cache[1] = torch.where(written, torch.tensor(0.75, dtype=torch.bfloat16), batch.kv_cache[1])
+    batch.value = torch.full_like(batch.value, 0.75)
+    out, expected, _, _ = run_both(batch, quantized_cache(batch.kv_cache, torch.int8), 0.125)
+    torch.testing.assert_close(out, expected, **SAME_CODES_TOL[torch.bfloat16])
+    torch.testing.assert_close(out.float(), torch.full(out.shape, 0.75), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("poison", ["infinite_value_scale", "nan_query"])
+def test_int8_values_with_a_non_finite_weight_come_out_as_the_float_loop_gives_them(poison):
+    # The integer values loop rounds weights to 16 bits of the span's largest scale, which has no
+    # room for a NaN or an infinity: a span holding one goes through the float loop instead, so the
+    # output is what the reference gives (inf / NaN where it has them), not garbage.
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    batch = make_attention_batch([(70, 1), (33, 1)], dtype=torch.bfloat16, **shape)
+    cache = quantized_cache(batch.kv_cache, torch.int8)
+    if poison == "infinite_value_scale":
+        block = int(batch.block_tables[0, 1])  # sequence 0's keys 16-31: visible, written
+        _, scales = kv_quant.split_rows(cache[1, block, 3], 64)
+        scales[1] = float("inf")  # KV head 1's value row
+    else:
+        batch.query[1, 2] = float("nan")  # sequence 1's query head 2 (KV head 1)
+    out, expected, _, _ = run_both(batch, cache, 0.125)
+    assert not torch.isfinite(expected).all(), "the poison did not reach the reference's output"
+    torch.testing.assert_close(out, expected, **SAME_CODES_TOL[torch.bfloat16], equal_nan=True)
 
 
 def test_one_thread_and_many_agree_on_a_quantized_cache():
