@@ -558,8 +558,7 @@ void span_values_vnni_fixed(float* acc, const int16_t* w16, int64_t stride, floa
   __m512i sums[kGroup][2 * kChunks];
   for (int g = 0; g < kGroup; ++g)
     for (int c = 0; c < 2 * kChunks; ++c) sums[g][c] = _mm512_setzero_si512();
-  const int32_t* pairs = reinterpret_cast<const int32_t*>(w16);
-  const int64_t pair_stride = stride / 2;
+
   for (int64_t b = 0, at = 0; b < num_blocks; ++b) {
     const int64_t m = span_len[b];
     for (int64_t j = 0; j < m; j += 2, ++at) {
@@ -575,7 +574,9 @@ void span_values_vnni_fixed(float* acc, const int16_t* w16, int64_t stride, floa
         hi[c] = _mm512_unpackhi_epi16(x0, x1);  // dims 8L + 4 .. 8L + 7
       }
       for (int g = 0; g < kGroup; ++g) {
-        const __m512i w = _mm512_set1_epi32(pairs[g * pair_stride + at]);
+        int32_t pair;  // the two keys' 16-bit weights (memcpy: int16 storage read as one int32)
+        std::memcpy(&pair, w16 + g * stride + 2 * at, sizeof pair);
+        const __m512i w = _mm512_set1_epi32(pair);
         for (int c = 0; c < kChunks; ++c) {
           sums[g][2 * c] = _mm512_dpwssd_epi32(sums[g][2 * c], lo[c], w);
           sums[g][2 * c + 1] = _mm512_dpwssd_epi32(sums[g][2 * c + 1], hi[c], w);
