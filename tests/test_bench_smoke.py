@@ -90,8 +90,10 @@ def test_process_bench_suites_run_at_smoke_sizes(tmp_path):
 @pytest.mark.slow
 def test_pipeline_timeline_bench_runs_at_smoke_size(tmp_path):
     stdout = _run_bench_smoke(tmp_path, *PIPELINE_SUITES)
-    # One process, two stages run whole, two stages in micro-batches (ours only, bench-small).
-    assert "3 passed" in stdout, stdout[-2000:]
+    # bench/test_pipeline_timeline.py's LAYOUTS, ours only, bench-small: one process; two stages
+    # one step at a time, with two micro-batches in a step, with two steps in flight, and with the
+    # defaults.
+    assert "5 passed" in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow
