@@ -105,6 +105,13 @@ inline void store(uint16_t* p, int64_t i, float v) {  // float -> bfloat16, roun
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
+#if defined(__AVX512F__)
+// The first min(count, 16) lanes of a 16-lane mask (the masked loads and stores of a short tail).
+inline __mmask16 first_lanes(int64_t count) {
+  return static_cast<__mmask16>(count >= 16 ? 0xffffu : (1u << count) - 1u);
+}
+#endif
+
 // exp(x) for x <= 0 (one value; 16 lanes with AVX-512): kernels/cpu_exp.h.
 using ce_exp::exp_nonpositive;
 #if defined(__AVX512F__)
@@ -501,24 +508,22 @@ inline bool span_scale_factors(const int8_t* const* first_row, const int64_t* sp
                                           _mm512_set1_epi32(static_cast<int32_t>(stride_slot))),
                        _mm512_set1_epi32(static_cast<int32_t>(scale_offset)));
   __m512 top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
-  int64_t n = 0;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int64_t j = 0; j < span_len[b]; j += 16, n += 16) {
-      const int64_t m = std::min<int64_t>(16, span_len[b] - j);
-      const __mmask16 keep = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
+  int64_t n = 0;  // the span's keys so far
+  for (int64_t b = 0; b < num_blocks; n += span_len[b], ++b) {
+    for (int64_t j = 0; j < span_len[b]; j += 16) {
+      const __mmask16 keep = first_lanes(span_len[b] - j);
       const __m512 scale =
           _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, index, first_row[b] + j * stride_slot, 1);
-      _mm512_mask_storeu_ps(factor + n, keep, scale);
+      _mm512_mask_storeu_ps(factor + n + j, keep, scale);
       top = _mm512_max_ps(top, scale);
       total = _mm512_add_ps(total, scale);  // NaN and infinity stick in a sum of positive scales
     }
-    n -= (16 - span_len[b] % 16) % 16;
   }
   const float sum = _mm512_reduce_add_ps(total), smax = _mm512_reduce_max_ps(top);
   if (!(sum <= std::numeric_limits<float>::max()) || !(smax > 0.0f)) return false;
   const __m512 inv = _mm512_set1_ps(32767.0f / smax);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+    const __mmask16 keep = first_lanes(n - j);
     _mm512_mask_storeu_ps(factor + j, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, factor + j), inv));
   }
   *unit = smax / 32767.0f;
@@ -536,7 +541,7 @@ inline void span_weights_vnni(const float* weights, int64_t sbs, int64_t group, 
     for (int64_t b = 0, offset = 0, at = 0; b < num_blocks; ++b) {
       const int64_t m = span_len[b];
       for (int64_t j = 0; j < m; j += 16) {
-        const __mmask16 keep = static_cast<__mmask16>(m - j >= 16 ? 0xffffu : (1u << (m - j)) - 1u);
+        const __mmask16 keep = first_lanes(m - j);
         const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, wg + offset + j),
                                        _mm512_maskz_loadu_ps(keep, factor + offset + j));
         _mm512_mask_cvtepi32_storeu_epi16(out + at + j, keep, _mm512_cvtps_epi32(w));
@@ -856,7 +861,6 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
       const int64_t stop = std::min(hi, (column + 1) * bs);
       const int64_t m = stop - start;
       const int64_t first_slot = block_offset(column) + (start - column * bs) * pb.stride_slot;
-      const int64_t ahead = column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
       span_slot[num_blocks] = first_slot;
       span_len[num_blocks] = m;
 
@@ -888,6 +892,8 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         }
       }
 #endif
+      // The plain loops' prefetch: the block kAhead columns on (the block loops ask a phase early).
+      const int64_t ahead = !fast && column + kAhead <= last_column ? block_offset(column + kAhead) : -1;
       for (int64_t j = 0; j < m && !fast; ++j) {
         if (ahead >= 0) {  // all bs rows of it, also when this block is partial
           for (int64_t r = j; r < bs; r += m) prefetch_slot(ahead, r);
@@ -929,7 +935,7 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
       // Both softmax loops in 16-lane vectors (GCC leaves them scalar), on every cache
       // (docs/kv_cache_quantization.md, "Speed").
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        const __mmask16 keep = first_lanes(n - j);
         block_max = std::max(block_max, _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, si + j)));
       }
 #else
@@ -945,7 +951,7 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
       {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
-          const __mmask16 keep = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+          const __mmask16 keep = first_lanes(n - j);
           const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, si + j), _mm512_set1_ps(block_max)));
           _mm512_mask_storeu_ps(si + j, keep, e);
           sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));  // lanes past n: exp(0 - max), dropped
