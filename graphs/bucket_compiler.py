@@ -41,6 +41,7 @@ class BucketVariant(NamedTuple):
     gemv_kernel: bool = False  # linears on the C++ GEMV (graphs/passes/cpu_gemv.py)
     # quantized linears on the C++ GEMV's int8/int4 variants (graphs/passes/cpu_gemv_quantized.py)
     quantized_gemv_kernel: bool = False
+    widened_linears: bool = False  # bf16 / fp16 linears as fp32 GEMMs (graphs/passes/widened_linear.py)
 
     @classmethod
     def from_report(cls, passes: PassReport) -> BucketVariant:
@@ -50,6 +51,7 @@ class BucketVariant(NamedTuple):
             packed_linears=passes.ran("pack_linear_weights"),
             gemv_kernel=passes.ran("cpu_gemv_linears"),
             quantized_gemv_kernel=passes.ran("cpu_gemv_quantized"),
+            widened_linears=passes.ran("widen_linears"),
         )
 
 

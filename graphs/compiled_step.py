@@ -429,13 +429,15 @@ class CompiledStep:
             self._gemv = with_quantized_rows(decide_gemv_rows(graph, list(self.buckets)), graph, self.buckets)
             logger.info(
                 "GEMV lowering for buckets %s, C++ GEMV for %s (quantized linears: %s, their tile path: %s), "
-                "oneDNN-packed linears for %s%s (measured in %.1f s: %s)",
+                "oneDNN-packed linears for %s%s, widened fp32 linears for %s%s (measured in %.1f s: %s)",
                 list(self._gemv.lowered_rows),
                 list(self._gemv.kernel_rows),
                 list(self._gemv.quantized_kernel_rows),
                 list(self._gemv.quantized_tile_rows),
                 list(self._gemv.packed_rows),
                 " and the dynamic graph" if self._gemv.packs_dynamic else "",
+                list(self._gemv.widened_rows),
+                " and the dynamic graph" if self._gemv.widens_dynamic else "",
                 time.perf_counter() - start,
                 self._gemv.reason,
             )

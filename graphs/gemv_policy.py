@@ -102,6 +102,7 @@ from compiled_engine.kernels.cpu_gemv import (
 )
 from compiled_engine.kernels.onednn_linear import PACKED_WEIGHTS, onednn_linear, onednn_linear_available
 from compiled_engine.kernels.source_version import source_version
+from compiled_engine.kernels.widened_linear import widened_linear, widened_linear_available
 
 # A hash of this source and of the C++ GEMV it times: when the measurement, the decision rule or
 # the kernel changes, cached decisions stop loading.
@@ -225,6 +226,10 @@ class RowTiming:
     packed_best_ms: float | None = None
     kernel_ms: float | None = None  # the C++ GEMV over its packed weights
     kernel_best_ms: float | None = None
+    # The fp32 GEMM over widened bf16 / fp16 weights (kernels/widened_linear.py): timed instead
+    # of the packed form where oneDNN cannot run the dtype, so at most one of the two is set.
+    widened_ms: float | None = None
+    widened_best_ms: float | None = None
 
     @property
     def packing_wins(self) -> bool:
@@ -233,12 +238,16 @@ class RowTiming:
         return self.packed_best_ms is not None and self.packed_best_ms < self.gemm_best_ms * _PACKED_TIE
 
     @property
+    def widening_wins(self) -> bool:
+        """Whether the widened GEMM is the GEMM to use here, by the packed form's rule."""
+        return self.widened_best_ms is not None and self.widened_best_ms < self.gemm_best_ms * _PACKED_TIE
+
+    @property
     def _best_gemm_ms(self) -> float:
         # The faster form's call, whichever the row count then runs: the lowering and the kernel
-        # must beat both GEMM forms (module docstring), not only the one a near tie picked.
-        if self.packed_best_ms is None:
-            return self.gemm_best_ms
-        return min(self.gemm_best_ms, self.packed_best_ms)
+        # must beat every GEMM form (module docstring), not only the one a near tie picked.
+        prepared = [t for t in (self.packed_best_ms, self.widened_best_ms) if t is not None]
+        return min([self.gemm_best_ms, *prepared])
 
     @property
     def lowering_wins(self) -> bool:
@@ -266,6 +275,7 @@ class RowTiming:
             (self.gemv_ms, self.gemv_best_ms),
             (self.packed_ms, self.packed_best_ms),
             (self.kernel_ms, self.kernel_best_ms),
+            (self.widened_ms, self.widened_best_ms),
         )
         return [median / best for median, best in pairs if median is not None and best]
 
@@ -275,8 +285,9 @@ class GemvDecision:
     """How each row count (bucket) runs its linears, and the evidence.
 
     `lowered_rows` get the GEMV lowering; `kernel_rows` (none of them lowered) the C++ GEMV;
-    `packed_rows` (neither) oneDNN over packed weights; any other row count torch's GEMM.
-    `packs_dynamic`: whether the dynamic graph (steps above the largest bucket) packs.
+    `packed_rows` (neither) oneDNN over packed weights; `widened_rows` (where oneDNN cannot run
+    the dtype) the fp32 GEMM over widened weights; any other row count torch's GEMM.
+    `packs_dynamic` / `widens_dynamic`: the same for the dynamic graph (steps above the largest bucket).
     """
 
     lowered_rows: tuple[int, ...]
@@ -299,6 +310,8 @@ class GemvDecision:
     # ms, the tiles') for the row counts timed (larger ones follow two wins in a row untimed).
     quantized_tile_rows: tuple[int, ...] = ()
     quantized_tile_timings: tuple[tuple[int, float, float], ...] = ()
+    widened_rows: tuple[int, ...] = ()
+    widens_dynamic: bool = False
     version: str = field(default=GEMV_POLICY_VERSION)
 
     def lowers(self, rows: int) -> bool:
@@ -326,6 +339,11 @@ class GemvDecision:
     def packs(self, rows: int | None) -> bool:
         """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should pack."""
         return self.packs_dynamic if rows is None else rows in self.packed_rows
+
+    def widens(self, rows: int | None) -> bool:
+        """Whether a graph run at exactly `rows` rows (None: the dynamic graph) should widen its
+        bf16 / fp16 linears into fp32 GEMMs."""
+        return self.widens_dynamic if rows is None else rows in self.widened_rows
 
     @property
     def noisy(self) -> bool:
@@ -361,11 +379,15 @@ class GemvDecision:
                         packed_best_ms=_optional_float(t["packed_best_ms"]),
                         kernel_ms=_optional_float(t["kernel_ms"]),
                         kernel_best_ms=_optional_float(t["kernel_best_ms"]),
+                        widened_ms=_optional_float(t["widened_ms"]),
+                        widened_best_ms=_optional_float(t["widened_best_ms"]),
                     )
                     for t in data["timings"]
                 ),
                 packed_rows=tuple(int(r) for r in data["packed_rows"]),
                 packs_dynamic=bool(data["packs_dynamic"]),
+                widened_rows=tuple(int(r) for r in data["widened_rows"]),
+                widens_dynamic=bool(data["widens_dynamic"]),
                 kernel_rows=tuple(int(r) for r in data["kernel_rows"]),
                 quantized_kernel_rows=tuple(int(r) for r in data["quantized_kernel_rows"]),
                 quantized_timings=tuple(
@@ -455,6 +477,10 @@ def measure_gemv_rows(
         [torch.rand(o, i, generator=generator, dtype=dtype) for o, i, _ in linears] for _ in range(num_sets)
     ]
     packing = onednn_linear_available(dtype, device)
+    # Where oneDNN cannot run the dtype (bf16 without AVX-512 BF16 or AMX, fp16), the widened
+    # GEMM takes the packed form's place: the GEMM form timed against torch's.
+    widening = not packing and widened_linear_available(dtype, device)
+    prepared = packing or widening
     kernel_available = kernel and cpu_gemv_available(dtype, device)
     timings: list[RowTiming] = []
     unmeasured: list[int] = []
@@ -465,7 +491,7 @@ def measure_gemv_rows(
     tiles = kernel_available and dtype == torch.bfloat16 and gemv_isa() >= ISA_AMX_TILES
     tiles_from = TILE_MIN_ROWS if tiles else None
     max_kernel_rows = _MAX_TILE_ROWS if tiles else _MAX_KERNEL_ROWS
-    # The GEMM form that won the last unlowered rows (packed or not), and how many in a row.
+    # The GEMM form that won the last unlowered rows (packed / widened or torch's), and how many in a row.
     gemm_form, form_wins_in_a_row = False, 0
     for rows in rows_to_try:
         if tiles_from is not None and rows >= tiles_from:
@@ -477,7 +503,7 @@ def measure_gemv_rows(
         if (
             not lowering_in_play
             and not kernel_in_play
-            and (not packing or form_wins_in_a_row >= _GEMM_WINS_TO_STOP)
+            and (not prepared or form_wins_in_a_row >= _GEMM_WINS_TO_STOP)
         ):
             unmeasured.append(rows)
             continue
@@ -489,6 +515,7 @@ def measure_gemv_rows(
             gemv=lowering_in_play,
             packed=packing,
             kernel=kernel_in_play,
+            widened=widening,
         )
         timings.append(timing)
         if lowering_in_play:
@@ -496,11 +523,14 @@ def measure_gemv_rows(
         if kernel_in_play:
             kernel_losses_in_a_row = 0 if timing.kernel_wins else kernel_losses_in_a_row + 1
         if not timing.lowering_wins:
-            same = timing.packing_wins == gemm_form
-            gemm_form, form_wins_in_a_row = timing.packing_wins, (form_wins_in_a_row + 1 if same else 1)
-    measured_packed = tuple(
-        t.rows for t in timings if t.packing_wins and not t.lowering_wins and not t.kernel_wins
-    )
+            won = timing.packing_wins or timing.widening_wins
+            same = won == gemm_form
+            gemm_form, form_wins_in_a_row = won, (form_wins_in_a_row + 1 if same else 1)
+
+    def prepared_rows(wins: Callable[[RowTiming], bool], form_timed: bool) -> tuple[int, ...]:
+        measured = tuple(t.rows for t in timings if wins(t) and not t.lowering_wins and not t.kernel_wins)
+        return measured + (tuple(unmeasured) if gemm_form and form_timed else ())
+
     return GemvDecision(
         lowered_rows=tuple(t.rows for t in timings if t.lowering_wins),
         kernel_rows=tuple(t.rows for t in timings if t.kernel_wins),
@@ -510,11 +540,14 @@ def measure_gemv_rows(
             f"measured: {num_sets} set(s) of {len(linears)} weights, "
             f"{sum(w.nbytes for ws in weight_sets for w in ws) / 2**20:.1f} MiB"
             + ("" if packing else f"; oneDNN cannot pack {dtype} here, not timed")
+            + (f"; {dtype} widened to fp32 GEMMs timed in its place" if widening else "")
             + ("" if kernel_available or not kernel else f"; the C++ GEMV cannot run {dtype} here, not timed")
         ),
         num_threads=torch.get_num_threads(),
-        packed_rows=measured_packed + (tuple(unmeasured) if gemm_form else ()),
-        packs_dynamic=gemm_form,
+        packed_rows=prepared_rows(lambda t: t.packing_wins, packing),
+        packs_dynamic=gemm_form and packing,
+        widened_rows=prepared_rows(lambda t: t.widening_wins, widening),
+        widens_dynamic=gemm_form and widening,
         device=device_name,
         dtype=dtype_name,
         shapes=described,
@@ -603,9 +636,10 @@ def _time_rows(
     gemv: bool = True,
     packed: bool = False,
     kernel: bool = False,
+    widened: bool = False,
 ) -> RowTiming:
     """Time the linears at `rows` rows: torch's GEMM, plus the lowering (`gemv`), oneDNN over
-    packed weights (`packed`) and the C++ GEMV (`kernel`) when asked."""
+    packed weights (`packed`), the C++ GEMV (`kernel`) and the widened GEMM (`widened`) when asked."""
     # Inputs of their own for every linear, as in a model where each layer reads its own
     # activation: shared ones would let Inductor fuse reductions that a real graph cannot.
     inputs = [_prologue_inputs(kind, rows, i, weight_sets[0][0].dtype, generator) for _, i, kind in linears]
@@ -628,6 +662,10 @@ def _time_rows(
             for w in itertools.chain.from_iterable(weight_sets):
                 PACKED_GEMV_WEIGHTS.get(w)  # packed before timing, as a warm engine has them
             forms["kernel"] = lambda: [cpu_gemv(x, w, None) for x, w in zip(xs, next(turns), strict=True)]
+        if widened:
+            forms["widened"] = lambda: [
+                widened_linear(x, w, None) for x, w in zip(xs, next(turns), strict=True)
+            ]
         if gemv:
             from torch._inductor.compile_fx import compile_fx  # Inductor imports slowly; only when timing
 
@@ -654,6 +692,8 @@ def _time_rows(
         packed_best_ms=best_ms("packed"),
         kernel_ms=median_ms("kernel"),
         kernel_best_ms=best_ms("kernel"),
+        widened_ms=median_ms("widened"),
+        widened_best_ms=best_ms("widened"),
     )
 
 

@@ -100,6 +100,8 @@ class LinearForms(Protocol):
 
     def packs(self, rows: int | None) -> bool: ...
 
+    def widens(self, rows: int | None) -> bool: ...
+
 
 @dataclass(frozen=True)
 class CaptureGraph:

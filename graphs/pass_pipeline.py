@@ -16,6 +16,9 @@ Per bucket (each bucket's variant of the traced graph, graphs/bucket_compiler.py
     cpu_gemv_quantized   with weight quantization, where it measured the C++ GEMV's int8/int4
                          variants faster than torch's kernels at this bucket's rows
     pack_linear_weights  else, where it measured oneDNN over packed weights to win
+    widen_linears        else, where oneDNN cannot run the dtype (bf16 / fp16 without native
+                         half-precision GEMMs) and it measured fp32 GEMMs over widened
+                         weights (kernels/widened_linear.py) to win
     inline_attention     on CPU with the torch op, for buckets that can be a decode batch
                          (<= max_num_seqs): the fused maths replaces ~40 eager calls per layer;
                          prefill-sized buckets and the dynamic graph keep the op, whose chunked
@@ -53,6 +56,7 @@ from compiled_engine.graphs.passes.onednn_linear import PackLinearWeights
 from compiled_engine.graphs.passes.quantize_linears import QuantizedWeightCache, QuantizeLinears
 from compiled_engine.graphs.passes.select_attention_backend import SelectAttentionBackend
 from compiled_engine.graphs.passes.tensor_parallel import ShardForTensorParallel
+from compiled_engine.graphs.passes.widened_linear import WidenLinears
 from compiled_engine.kernels.backends import AttentionBackend
 from compiled_engine.records.weight_quantization import WeightQuantization
 
@@ -72,6 +76,13 @@ def runs_gemv_kernel(target: BucketTarget) -> bool:
 def packs_linears(target: BucketTarget) -> bool:
     """Neither lowered nor on the C++ GEMV, and the policy measured oneDNN over packed weights to win here."""
     return not lowers_linears(target) and not runs_gemv_kernel(target) and target.linears.packs(target.bucket)
+
+
+def widens_linears(target: BucketTarget) -> bool:
+    """Neither lowered nor on the C++ GEMV, and the policy measured the widened fp32 GEMM to win here."""
+    return (
+        not lowers_linears(target) and not runs_gemv_kernel(target) and target.linears.widens(target.bucket)
+    )
 
 
 def runs_quantized_gemv_kernel(target: BucketTarget) -> bool:
@@ -107,6 +118,7 @@ BUCKET_PASSES = (
     per_bucket(GemvLowering, lowers_linears, _gemv_lowering),
     per_bucket(CpuGemvLinears, runs_gemv_kernel),
     per_bucket(PackLinearWeights, packs_linears),
+    per_bucket(WidenLinears, widens_linears),
     per_bucket(CpuGemvQuantized, runs_quantized_gemv_kernel),
     per_bucket(CpuGemmQuantized, runs_quantized_tiles),
     per_bucket(InlineAttention, inlines_attention),

@@ -357,13 +357,16 @@ def test_a_near_tie_between_the_gemm_forms_goes_to_the_packed_one():
 def _scripted_forms(
     outcomes: dict[int, str], timed: list[tuple[int, bool, bool]], kernel_timed: list[int] | None = None
 ):
-    """outcomes: rows -> the fastest form ("gemv", "packed", "gemm" or "kernel") of a scripted timing."""
+    """outcomes: rows -> the fastest form ("gemv", "packed", "gemm", "kernel" or "widened") of a
+    scripted timing."""
 
-    def time_rows(rows, linears, weight_sets, generator, gemv=True, packed=False, kernel=False):
-        timed.append((rows, gemv, packed))
+    def time_rows(
+        rows, linears, weight_sets, generator, gemv=True, packed=False, kernel=False, widened=False
+    ):
+        timed.append((rows, gemv, packed or widened))
         if kernel and kernel_timed is not None:
             kernel_timed.append(rows)
-        best = {"gemm": 4.0, "packed": 4.5, "gemv": 4.5, "kernel": 4.5}
+        best = {"gemm": 4.0, "packed": 4.5, "gemv": 4.5, "kernel": 4.5, "widened": 4.5}
         best[outcomes[rows]] = 1.0
         return RowTiming(
             rows,
@@ -375,6 +378,8 @@ def _scripted_forms(
             packed_best_ms=best["packed"] if packed else None,
             kernel_ms=best["kernel"] if kernel else None,
             kernel_best_ms=best["kernel"] if kernel else None,
+            widened_ms=best["widened"] if widened else None,
+            widened_best_ms=best["widened"] if widened else None,
         )
 
     return time_rows
@@ -407,6 +412,44 @@ def test_packed_gemm_is_timed_beside_the_others(
     gemv_timed = [r for r, g, _ in timed if g]
     assert gemv_timed == [r for r, _, _ in timed][: len(gemv_timed)]
     assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "widened", "widens_dynamic", "unmeasured"),
+    [
+        # The kernel at few rows, then the widened GEMM twice: larger rows take it unmeasured.
+        ({1: "kernel", 2: "kernel", 4: "widened", 8: "widened", 16: "gemm"}, (4, 8, 16), True, (16,)),
+        # torch's GEMM wins twice: nothing is widened.
+        ({1: "kernel", 2: "kernel", 4: "gemm", 8: "gemm", 16: "widened"}, (), False, (16,)),
+    ],
+)
+def test_where_onednn_cannot_run_the_dtype_the_widened_gemm_takes_the_packed_forms_place(
+    monkeypatch, outcomes, widened, widens_dynamic, unmeasured
+):
+    # fp16: oneDNN packs fp32 and bf16 only (kernels/onednn_linear.py), on any CPU.
+    timed: list[tuple[int, bool, bool]] = []
+    kernel_timed: list[int] = []
+    monkeypatch.setattr(gemv_policy, "cpu_gemv_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, timed, kernel_timed))
+    decision = measure_gemv_rows(SMALL_SHAPES, [1, 2, 4, 8, 16], torch.float16, "cpu")
+    assert decision.widened_rows == widened and decision.packed_rows == ()
+    assert decision.widens_dynamic is widens_dynamic and decision.widens(None) is widens_dynamic
+    assert not decision.packs_dynamic
+    assert decision.kernel_rows == (1, 2)
+    assert decision.unmeasured_rows == unmeasured
+    assert all(w for _, _, w in timed)  # every measured row count timed the widened GEMM
+    assert "widened to fp32 GEMMs timed" in decision.reason
+    assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+def test_a_real_fp16_measurement_times_the_widened_gemm() -> None:
+    decision = measure_gemv_rows([(64, 96), (96, 64)], [16, 32], torch.float16, "cpu")
+    assert decision.timings and all(t.widened_best_ms is not None for t in decision.timings)
+    assert all(t.packed_best_ms is None for t in decision.timings)
+    won = tuple(
+        t.rows for t in decision.timings if t.widening_wins and not t.lowering_wins and not t.kernel_wins
+    )
+    assert decision.widened_rows[: len(won)] == won
 
 
 def test_without_onednn_nothing_packs(monkeypatch) -> None:

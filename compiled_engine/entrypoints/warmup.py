@@ -52,13 +52,16 @@ def warm_up_buckets(
 
 
 def linears_label(variant: BucketVariant) -> str:
-    """How a graph runs its linears: GEMV-lowered, the C++ GEMV, oneDNN-packed or torch's GEMM."""
+    """How a graph runs its linears: GEMV-lowered, the C++ GEMV, oneDNN-packed, widened to fp32
+    GEMMs or torch's GEMM."""
     if variant.gemv_kernel and variant.quantized_gemv_kernel:
         return "cpu_gemv+quantized"
     if variant.quantized_gemv_kernel:
         return "cpu_gemv_quantized"
     if variant.gemv_kernel:
         return "cpu_gemv"
+    if variant.widened_linears:
+        return "widened"
     return "gemv" if variant.gemv else "onednn" if variant.packed_linears else "torch"
 
 

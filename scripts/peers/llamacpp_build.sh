@@ -11,8 +11,12 @@
 # CPU features: not GGML_NATIVE by default. A native build on this machine's CPU (it lists amx_int8)
 # compiles ggml's AMX kernels in, and its Q8_0 / Q4_0 runs died with SIGILL here; the portable
 # default names the x86 features explicitly instead: AVX2, AVX-512 (F, VNNI, BF16), F16C, FMA on,
-# AMX off. LLAMACPP_NATIVE=1 gives the old native build (-march=native, AMX where the CPU lists it).
+# AMX off. LLAMACPP_NATIVE=1 gives the old native build (-march=native, AMX where the CPU lists it);
+# a CPU without AVX-512 (an AMD Zen 3 here) gets it by default, as the portable flags would not run there.
 set -euo pipefail
+if ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+  LLAMACPP_NATIVE=${LLAMACPP_NATIVE:-1}
+fi
 DIR=${1:-/work/peers/llamacpp}
 JOBS=${JOBS:-2}
 PY=${PYTHON:-python3}
