@@ -58,6 +58,12 @@ the weights and tie within noise, and a tie must not hand the compute-bound rows
 (2 threads, fp32) the packed form took 2.69 ms where `F.linear` took 5.76 at 8 rows, and won from
 4 rows up (docs/performance.md).
 
+Widened: where oneDNN cannot run the dtype (bf16 on a CPU without AVX-512 BF16 or AMX, and
+fp16), the fp32 GEMM over widened weights (kernels/widened_linear.py) is timed in the packed
+form's place, by the same rules (the tie, two wins in a row for the larger row counts). On a Zen 3
+(AVX2), torch's bf16 GEMM took 5-8x the fp32 GEMM's time from 16 rows up, the widened one
+1.1-1.2x (docs/performance.md).
+
 Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a row; a
 bf16 kernel with AMX tiles starts its count again at the tiles' first row count, where it
 becomes another kernel, and is timed up to _MAX_TILE_ROWS) the hand-written C++ GEMV

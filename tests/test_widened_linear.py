@@ -148,3 +148,32 @@ def test_the_pipeline_widens_where_the_policy_chose_it() -> None:
     assert ran(8) == ["widen_linears"]
     assert ran(None) == ["widen_linears"]
     assert ran(4) == []
+
+
+@pytest.mark.slow
+def test_an_engine_with_widened_linears_scores_prompts_as_the_eager_bf16_engine(
+    llama_dir, monkeypatch, tmp_path
+):
+    from compiled_engine import LLM, SamplingParams
+    from compiled_engine.graphs.compiled_step import CompiledStep
+
+    def widened_where_unlowered(step):
+        return GemvDecision((), widened_rows=tuple(step.buckets), widens_dynamic=True)
+
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(24)] for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+    def scores(**options) -> list[list[float]]:
+        llm = LLM(llama_dir, dtype="bfloat16", max_num_seqs=4, compile_buckets=(1, 4), **options)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if not options.get("enforce_eager"):
+            builds = llm.engine.model_runner.step_graph.builds
+            assert builds[None].variant.widened_linears  # prompt logprobs run the dynamic graph
+        return [[next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]] for out in outputs]
+
+    eager = scores(enforce_eager=True)
+    monkeypatch.setattr(CompiledStep, "gemv_decision", widened_where_unlowered)
+    widened = scores(enforce_eager=False, cache_dir=str(tmp_path))
+    for ours, theirs in zip(widened, eager, strict=True):
+        # bf16 activations: the two sum in other orders and round in other places.
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0.0, atol=0.08)

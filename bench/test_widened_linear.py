@@ -1,0 +1,73 @@
+"""bf16 linears on a CPU without bf16 GEMMs: torch's bf16 GEMM against the widened fp32 GEMM
+(kernels/widened_linear.py), bench-small's linears, interleaved pass by pass.
+
+    python -m pytest bench/test_widened_linear.py -q -s -p no:cacheprovider \
+        --benchmark-columns=median,min,rounds --benchmark-json=OUT.json
+
+Every linear of bench-small (bench/models.py: 6 layers' fused q/k/v, o, gate/up and down, and the
+LM head; 39 MB of bf16), fed `rows` rows, one pass through all of them: torch's `F.linear` on the
+bf16 tensors (what a bucket runs where no other form was measured faster) and `widened_linear`
+on the same tensors. fp32's `F.linear` over fp32 copies of the weights runs in the same rounds as
+the floor the widening approaches (its weights take twice the memory). Each one's median pass and
+the ratios are printed and kept in extra_info. Where oneDNN runs bf16 (AVX-512 BF16, AMX) the
+policy never times the widened form, and this suite skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.interleaved import interleaved_medians
+from compiled_engine.kernels.onednn_linear import onednn_linear_available
+from compiled_engine.kernels.widened_linear import widened_linear
+
+BENCH_SMALL_LAYER = ((1024, 512), (512, 512), (2816, 512), (512, 1408))
+BENCH_SMALL_LAYERS = 6
+BENCH_SMALL_HEAD = (4000, 512)
+ROWS = (16, 64, 512)
+PASSES = {"full": 11, "quick": 5, "smoke": 1}
+
+pytestmark = pytest.mark.skipif(
+    onednn_linear_available(torch.bfloat16), reason="oneDNN runs bf16 here: the widened form is no candidate"
+)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_widened_against_bf16_gemm(benchmark, request, rows):
+    profile = request.config._bench_sizes.profile
+    generator = torch.Generator().manual_seed(rows)
+    shapes = [*BENCH_SMALL_LAYER * BENCH_SMALL_LAYERS, BENCH_SMALL_HEAD]
+    weights = [torch.randn(o, i, generator=generator).to(torch.bfloat16) for o, i in shapes]
+    weights32 = [w.float() for w in weights]
+    xs = [torch.randn(rows, i, generator=generator).to(torch.bfloat16) for _, i in shapes]
+
+    def bf16_pass() -> list[torch.Tensor]:
+        return [F.linear(x, w) for x, w in zip(xs, weights, strict=True)]
+
+    def widened_pass() -> list[torch.Tensor]:
+        return [widened_linear(x, w, None) for x, w in zip(xs, weights, strict=True)]
+
+    def fp32_pass() -> list[torch.Tensor]:
+        return [F.linear(x.float(), w) for x, w in zip(xs, weights32, strict=True)]
+
+    for ours, theirs in zip(widened_pass()[-2:], bf16_pass()[-2:], strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-1)
+    benchmark.group = f"bench-small's linears, bf16, {rows} rows: torch's bf16 GEMM, widened, fp32"
+    passes = {"bf16": bf16_pass, "widened": widened_pass, "fp32": fp32_pass}
+    medians = interleaved_medians(benchmark, passes, PASSES[profile])
+    benchmark.extra_info.update(
+        rows=rows,
+        threads=torch.get_num_threads(),
+        **{f"{name}_median_s": seconds for name, seconds in medians.items()},
+        widened_over_bf16=medians["widened"] / medians["bf16"],
+        widened_over_fp32=medians["widened"] / medians["fp32"],
+    )
+    ms = {name: seconds * 1e3 for name, seconds in medians.items()}
+    print(
+        f"\n{rows} rows: bf16 GEMM {ms['bf16']:.2f} ms, widened {ms['widened']:.2f} ms, "
+        f"fp32 {ms['fp32']:.2f} ms; "
+        f"widened / bf16 {medians['widened'] / medians['bf16']:.2f}x, "
+        f"widened / fp32 {medians['widened'] / medians['fp32']:.2f}x"
+    )
