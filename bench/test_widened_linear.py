@@ -11,6 +11,11 @@ on the same tensors. fp32's `F.linear` over fp32 copies of the weights runs in t
 the floor the widening approaches (its weights take twice the memory). Each one's median pass and
 the ratios are printed and kept in extra_info. Where oneDNN runs bf16 (AVX-512 BF16, AMX) the
 policy never times the widened form, and this suite skips.
+
+`test_quantized_prompt_rows_widened`: the int8 / int4 ops at DEQUANTIZE_ROWS rows (a 512-token
+prompt's linears, the 0.5B shape's layer) dequantize the weight once and, where bf16 GEMMs are not
+native, run it widened; against torch's bf16 GEMM over the same dequantized weight (their path
+before), interleaved.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.interleaved import interleaved_medians
+from compiled_engine.kernels import cpu_gemv_quantized
 from compiled_engine.kernels.onednn_linear import onednn_linear_available
+from compiled_engine.kernels.weight_quantization import dequantize, quantize_int4, quantize_int8
 from compiled_engine.kernels.widened_linear import widened_linear
 
 BENCH_SMALL_LAYER = ((1024, 512), (512, 512), (2816, 512), (512, 1408))
@@ -70,4 +77,48 @@ def test_widened_against_bf16_gemm(benchmark, request, rows):
         f"fp32 {ms['fp32']:.2f} ms; "
         f"widened / bf16 {medians['widened'] / medians['bf16']:.2f}x, "
         f"widened / fp32 {medians['widened'] / medians['fp32']:.2f}x"
+    )
+
+
+# Qwen2.5-0.5B's layer linears (bench/test_quantized_many_rows.py's LAYER), a 512-token prompt.
+QWEN_LAYER = ((1152, 896), (896, 896), (2 * 4864, 896), (896, 4864))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_prompt_rows_widened(benchmark, request, scheme):
+    """The quantized ops' dequantize-once path (from DEQUANTIZE_ROWS rows): `op`, as the graphs call
+    it, now widens the dequantized weight's GEMM; `bf16_gemm` is what it ran before, torch's bf16
+    GEMM over the same dequantized weight."""
+    profile = request.config._bench_sizes.profile
+    rows = cpu_gemv_quantized.DEQUANTIZE_ROWS
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(o, i, generator=generator).to(torch.bfloat16) for o, i in QWEN_LAYER]
+    quantized = [quantize_int8(w) if scheme == "int8" else quantize_int4(w, 32) for w in weights]
+    xs = [torch.randn(rows, i, generator=generator).to(torch.bfloat16) for _, i in QWEN_LAYER]
+    ops = torch.ops.compiled_engine
+    if scheme == "int8":
+        op = ops.cpu_gemm_int8.default
+        operands = [(q.qweight, q.scales) for q in quantized]
+    else:
+        op = ops.cpu_gemm_int4.default
+        operands = [(q.qweight, q.scales, q.zeros, 32) for q in quantized]
+
+    def op_pass() -> list[torch.Tensor]:
+        return [op(x, *q, None) for x, q in zip(xs, operands, strict=True)]
+
+    def bf16_gemm_pass() -> list[torch.Tensor]:
+        return [F.linear(x, dequantize(q, torch.bfloat16)) for x, q in zip(xs, quantized, strict=True)]
+
+    for ours, theirs in zip(op_pass(), bf16_gemm_pass(), strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-1)
+    benchmark.group = f"the 0.5B shape's layer linears, {scheme}, {rows} rows: op (widened) and bf16 GEMM"
+    medians = interleaved_medians(benchmark, {"op": op_pass, "bf16_gemm": bf16_gemm_pass}, PASSES[profile])
+    ratio = medians["op"] / medians["bf16_gemm"]
+    benchmark.extra_info.update(
+        scheme=scheme, rows=rows, op_median_s=medians["op"], bf16_gemm_median_s=medians["bf16_gemm"],
+        op_over_bf16_gemm=ratio, threads=torch.get_num_threads(),
+    )  # fmt: skip
+    print(
+        f"\n{scheme} {rows} rows: op {medians['op'] * 1e3:.2f} ms, "
+        f"bf16 GEMM {medians['bf16_gemm'] * 1e3:.2f} ms, {ratio:.2f}x"
     )

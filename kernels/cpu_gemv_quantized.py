@@ -43,6 +43,7 @@ from compiled_engine.kernels.cpu_gemv import (
 from compiled_engine.kernels.quantized_linear import int4_linear_fake, int8_linear_fake
 from compiled_engine.kernels.source_version import files_version, module_file
 from compiled_engine.kernels.weight_quantization import QUANTIZED_DTYPES, QuantizedWeight, dequantize
+from compiled_engine.kernels.widened_linear import dense_linear
 
 SOURCE = Path(__file__).with_name("cpu_gemv_quantized.cpp")
 CPU_GEMV_QUANTIZED_VERSION = files_version(
@@ -333,7 +334,7 @@ def _int8_linear(
     rows, path = _paths(x, qweight.shape[-1], isa, tiles)
     bias = _bias(bias, x)
     if tiles and isa is None and rows.shape[0] >= DEQUANTIZE_ROWS:
-        return F.linear(x, dequantize(QuantizedWeight(qweight, scales, None, None), x.dtype), bias)
+        return dense_linear(x, dequantize(QuantizedWeight(qweight, scales, None, None), x.dtype), bias)
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales = entry.pointers
@@ -386,7 +387,7 @@ def _int4_linear(
     rows, path = _paths(x, 2 * qweight.shape[-1], isa, tiles)
     bias = _bias(bias, x)
     if tiles and isa is None and rows.shape[0] >= DEQUANTIZE_ROWS:
-        return F.linear(x, dequantize(QuantizedWeight(qweight, scales, zeros, group_size), x.dtype), bias)
+        return dense_linear(x, dequantize(QuantizedWeight(qweight, scales, zeros, group_size), x.dtype), bias)
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)
     packed, packed_scales, offsets, *scale_zero = entry.pointers

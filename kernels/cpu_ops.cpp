@@ -213,6 +213,9 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
 // AVX-512 widen-once path, else the GEMV's); other activations take the GEMV's path there too.
 std::atomic<int> g_quantized_gemv_path{0};
 std::atomic<int> g_quantized_bf16_many_rows_path{0};
+// Half-precision dtypes whose GEMMs torch runs without a native path here (bit 0: bf16, bit 1:
+// fp16; kernels/widened_linear.py's widened_dtypes_code): the dequantize-once path widens them.
+std::atomic<int> g_widened_dtypes{0};
 
 // [N, ...] -> [ceil(N / 64) * 64, ...], padded with `fill` (cpu_gemv_quantized.py's _blocks).
 at::Tensor in_blocks(const at::Tensor& rows, double fill) {
@@ -378,6 +381,35 @@ void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const 
   });
 }
 
+// kernels/widened_linear.py's scratch block: fp32 elements of widened weight per GEMM call.
+constexpr int64_t kWidenedElements = 2 * 1024 * 1024;
+
+// `at::linear`, or where torch's GEMM has no native path for x's half-precision dtype (a CPU
+// without AVX-512 BF16 / AMX for bf16: 5-8x the fp32 GEMM's time there) the fp32 GEMM over the
+// weight widened a block of output features at a time, rounded once: kernels/widened_linear.py's
+// op, the same calls in the same order, so the two implementations agree bit for bit.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int widened = g_widened_dtypes.load(std::memory_order_relaxed);
+  const bool widen = (x.scalar_type() == at::kBFloat16 && (widened & 1)) || (x.scalar_type() == at::kHalf && (widened & 2));
+  if (!widen) return at::linear(x, weight, bias);
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const at::Tensor rows = x.reshape({-1, in_features}).to(at::kFloat);
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) bias32 = bias->to(at::kFloat);
+  const int64_t block = std::max<int64_t>(1, kWidenedElements / std::max<int64_t>(1, in_features));
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  if (block >= out_features) return at::linear(rows, weight.to(at::kFloat), bias32).to(x.scalar_type()).view(sizes);
+  at::Tensor out = at::empty({rows.size(0), out_features}, x.options());
+  for (int64_t start = 0; start < out_features; start += block) {
+    const int64_t count = std::min(block, out_features - start);
+    std::optional<at::Tensor> part_bias;
+    if (bias32.has_value()) part_bias = bias32->narrow(0, start, count);
+    out.narrow(1, start, count).copy_(at::linear(rows, weight.narrow(0, start, count).to(at::kFloat), part_bias));
+  }
+  return out.view(sizes);
+}
+
 // x @ dequantized(weight)^T (+ bias) through torch's GEMM, the weight dequantized into a buffer
 // kept per thread (a prompt's linears reuse it instead of faulting in a fresh one each call).
 at::Tensor dequantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -395,7 +427,7 @@ at::Tensor dequantized_linear(const at::Tensor& x, const at::Tensor& qweight, co
     case at::kBFloat16: dequantize_rows<c10::BFloat16>(qweight, scales, zeros, group_size, weight); break;
     default: dequantize_rows<c10::Half>(qweight, scales, zeros, group_size, weight); break;
   }
-  return at::linear(x, weight, bias);
+  return dense_linear(x, weight, bias);
 }
 
 template <bool kManyRows>
@@ -572,8 +604,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 extern "C" {
 
 // Called once after loading (kernels/cpu_ops.py): the paths this CPU runs, the GEMV's and the
-// quantized kernels' (a few rows; many rows of bf16 x).
-void ce_cpu_ops_configure(int gemv_isa, int quantized_gemv_path, int quantized_bf16_many_rows_path) {
+// quantized kernels' (a few rows; many rows of bf16 x), and the half-precision dtypes whose GEMMs
+// the dequantize-once path widens.
+void ce_cpu_ops_configure(int gemv_isa, int quantized_gemv_path, int quantized_bf16_many_rows_path,
+                          int widened_dtypes) {
+  g_widened_dtypes.store(widened_dtypes, std::memory_order_relaxed);
   g_isa.store(gemv_isa, std::memory_order_relaxed);
   g_quantized_gemv_path.store(quantized_gemv_path, std::memory_order_relaxed);
   g_quantized_bf16_many_rows_path.store(quantized_bf16_many_rows_path, std::memory_order_relaxed);

@@ -38,6 +38,7 @@ from compiled_engine.kernels import (  # noqa: F401
     onednn_linear,
 )
 from compiled_engine.kernels.cpu_attention_build import CpuKernelBuildError
+from compiled_engine.kernels.widened_linear import widened_dtypes_code
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # Extra flags on top of cpu_attention_build.FLAGS: torch's headers want C++20.
@@ -99,6 +100,7 @@ def use_native_ops(directory: Path | None = None) -> str | None:
                     ctypes.c_int(cpu_gemv.gemv_isa()),
                     ctypes.c_int(cpu_gemv_quantized.gemv_path()),
                     ctypes.c_int(cpu_gemv_quantized.bf16_many_rows_path()),
+                    ctypes.c_int(widened_dtypes_code()),
                 )
                 library.ce_cpu_ops_packed_copies.restype = ctypes.c_int64
                 _library, _result = library, None

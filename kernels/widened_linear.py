@@ -44,6 +44,33 @@ def widened_linear_available(dtype: torch.dtype, device: torch.device | str = "c
     return torch.device(device).type == "cpu" and dtype in DTYPES
 
 
+def native_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM has a native path for `dtype` here: oneDNN's support report for
+    bf16 / fp16 (AVX-512 BF16 / AMX, AVX-512 FP16); every other dtype counts as native."""
+    if dtype not in DTYPES:
+        return True
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def widened_dtypes_code() -> int:
+    """The half-precision dtypes whose GEMMs are widened where no policy times them (bit 0: bf16,
+    bit 1: fp16), for kernels/cpu_ops.cpp's `ce_cpu_ops_configure`."""
+    return (0 if native_half_gemm(torch.bfloat16) else 1) | (0 if native_half_gemm(torch.float16) else 2)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, or the widened GEMM where torch's GEMM has no native path for the dtype: for the
+    quantized ops' many-rows path, which dequantizes a weight and runs no policy (kernels/cpu_ops.cpp
+    does the same, bit for bit)."""
+    if x.dtype == weight.dtype and x.dtype in DTYPES and not native_half_gemm(x.dtype):
+        return widened_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _scratch_of(elements: int) -> torch.Tensor:
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < elements:

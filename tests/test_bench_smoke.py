@@ -62,11 +62,12 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     # one walk each. Where the GEMV has its AMX tile path: the dot path at 5 row counts and the tiles
     # at 3, for 3 weight shapes, and the tiles against oneDNN at 7 row counts (31); where the
     # quantized kernel's tile path and oneDNN's bf16 GEMM run, the quantized linears at 64 rows (2);
-    # where oneDNN cannot run bf16, torch's bf16 GEMM against the widened one at 3 row counts (3).
+    # where oneDNN cannot run bf16, torch's bf16 GEMM against the widened one at 3 row counts and the
+    # quantized ops' prompt rows, int8 and int4 (5).
     tiles = cpu_gemv.gemv_isa() >= cpu_gemv.ISA_AMX_TILES
     quantized_tiles = cpu_gemv_quantized.tiles_available() and onednn_linear_available(torch.bfloat16)
     widened = not onednn_linear_available(torch.bfloat16)
-    expected = 58 + (31 if tiles else 0) + (2 if quantized_tiles else 0) + (3 if widened else 0)
+    expected = 58 + (31 if tiles else 0) + (2 if quantized_tiles else 0) + (5 if widened else 0)
     assert f"{expected} passed" in stdout, stdout[-2000:]
 
 

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from compiled_engine.kernels import (
     cpu_attention,
@@ -31,6 +30,7 @@ from compiled_engine.kernels.weight_quantization import (
     quantize_int4,
     quantize_int8,
 )
+from compiled_engine.kernels.widened_linear import dense_linear
 from tests.attention_batches import fuse_qkv, make_attention_batch, quantized_cache
 from tests.test_cpu_attention_kv_quant import CASES
 
@@ -142,8 +142,10 @@ def test_quantized_linears_equal_the_python_implementations(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_many_rows_dequantize_once_from_the_threshold(name, dtype):
     # From DEQUANTIZE_ROWS rows both implementations run torch's GEMM over the weight dequantized
-    # once (what kernels/weight_quantization.py's dequantize gives, bit for bit); one row fewer,
-    # the kernel. The two sides' thresholds must agree: the last row count before it checks that.
+    # once (what kernels/weight_quantization.py's dequantize gives, bit for bit), widened to fp32
+    # where torch has no native GEMM for the dtype (kernels/widened_linear.py's dense_linear); one
+    # row fewer, the kernel. The two sides' thresholds must agree: the last row count before it
+    # checks that.
     op, python = getattr(torch.ops.compiled_engine, name).default, QUANTIZED_OPS[name]
     generator = torch.Generator().manual_seed(8)
     weights = _quantized(name, generator, dtype, out_features=70)
@@ -156,9 +158,9 @@ def test_many_rows_dequantize_once_from_the_threshold(name, dtype):
             got = op(x, *weights, b)
             assert torch.equal(got, python(x, *weights, b)), (rows, b is None)
             if rows >= threshold:
-                assert torch.equal(got, F.linear(x, dequantize(q, dtype), b))
+                assert torch.equal(got, dense_linear(x, dequantize(q, dtype), b))
     batched = torch.randn(2, threshold // 2, 256, generator=generator).to(dtype)  # the rows of every batch
-    assert torch.equal(op(batched, *weights, None), F.linear(batched, dequantize(q, dtype)))
+    assert torch.equal(op(batched, *weights, None), dense_linear(batched, dequantize(q, dtype), None))
 
 
 @pytest.mark.parametrize(
