@@ -25,14 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.interleaved import interleaved_medians
+from bench.test_gemv_rows import BENCH_SMALL_HEAD, BENCH_SMALL_LAYER, BENCH_SMALL_LAYERS
+from bench.test_quantized_many_rows import LAYER as QWEN_LAYER  # the 0.5B shape's layer linears
 from compiled_engine.kernels import cpu_gemv_quantized
 from compiled_engine.kernels.onednn_linear import onednn_linear_available
 from compiled_engine.kernels.weight_quantization import dequantize, quantize_int4, quantize_int8
 from compiled_engine.kernels.widened_linear import widened_linear
 
-BENCH_SMALL_LAYER = ((1024, 512), (512, 512), (2816, 512), (512, 1408))
-BENCH_SMALL_LAYERS = 6
-BENCH_SMALL_HEAD = (4000, 512)
 ROWS = (16, 64, 512)
 PASSES = {"full": 11, "quick": 5, "smoke": 1}
 
@@ -78,10 +77,6 @@ def test_widened_against_bf16_gemm(benchmark, request, rows):
         f"widened / bf16 {medians['widened'] / medians['bf16']:.2f}x, "
         f"widened / fp32 {medians['widened'] / medians['fp32']:.2f}x"
     )
-
-
-# Qwen2.5-0.5B's layer linears (bench/test_quantized_many_rows.py's LAYER), a 512-token prompt.
-QWEN_LAYER = ((1152, 896), (896, 896), (2 * 4864, 896), (896, 4864))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
