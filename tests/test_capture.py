@@ -30,6 +30,7 @@ from compiled_engine.graphs.passes.inline_attention import InlineAttention
 from compiled_engine.graphs.passes.lower_sdpa import PAGED_ATTENTION_TARGETS, SDPA_TARGETS, LowerSdpa
 from compiled_engine.graphs.passes.noop_elimination import NoopElimination
 from compiled_engine.graphs.passes.onednn_linear import PackLinearWeights
+from compiled_engine.graphs.passes.widened_linear import WidenLinears
 from compiled_engine.graphs.step_inputs import STEP_METADATA_TARGETS, StepInputs
 from compiled_engine.kernels import PAGED_ATTENTION_VERSION
 
@@ -265,6 +266,7 @@ def test_pass_manager_version_covers_passes_and_op() -> None:
         GemvLowering,
         CpuGemvLinears,
         PackLinearWeights,
+        WidenLinears,
         CpuGemvQuantized,
         CpuGemmQuantized,
         InlineAttention,

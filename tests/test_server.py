@@ -211,17 +211,23 @@ def test_tokens_held_back_by_the_detokenizer_still_stream_one_chunk_each(client,
     # The lead byte of a 3-byte character, forced at every step: its text is never a whole
     # character, so the detokenizer holds it all back until the end. Each token still gets its
     # own chunk when it is made (empty text, as vLLM sends it); the text comes with the last.
+    # Outputs that reach a request's stream while its reader is behind come out as one chunk
+    # (engine/async_llm.py's RequestStream, as vLLM's output collector): on a loaded machine two
+    # steps can land before the server's loop runs, so fewer, never more, empty chunks arrive.
     lead_byte = tokenizer.convert_tokens_to_ids("\u00e2")  # byte-level BPE's symbol for 0xE2
     assert tokenizer.decode([lead_byte]) == "\ufffd"
     params = dict(model=MODEL, max_tokens=6, logit_bias={str(lead_byte): 100}, **GREEDY)
     whole = client.completions.create(prompt="import os", **params)
     assert whole.usage.completion_tokens == 6 and whole.choices[0].text == "\ufffd" * 6
     chunks = [c for c in client.completions.create(prompt="import os", stream=True, **params) if c.choices]
-    assert [c.choices[0].text for c in chunks] == [""] * 5 + [whole.choices[0].text]
-    assert [c.choices[0].finish_reason for c in chunks] == [None] * 5 + ["length"]
+    empty = len(chunks) - 1
+    assert 1 <= empty <= 5
+    assert [c.choices[0].text for c in chunks] == [""] * empty + [whole.choices[0].text]
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * empty + ["length"]
     chat = client.chat.completions.create(messages=MESSAGES, stream=True, **params)
     deltas = [c.choices[0] for c in chat if c.choices][1:]  # after the opening role chunk
-    assert [d.delta.content for d in deltas] == [""] * 5 + ["\ufffd" * 6]
+    assert 1 <= len(deltas) - 1 <= 5
+    assert [d.delta.content for d in deltas] == [""] * (len(deltas) - 1) + ["\ufffd" * 6]
     assert deltas[-1].finish_reason == "length"
 
 
