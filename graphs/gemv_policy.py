@@ -61,7 +61,7 @@ the weights and tie within noise, and a tie must not hand the compute-bound rows
 Widened: where oneDNN cannot run the dtype (bf16 on a CPU without AVX-512 BF16 or AMX, and
 fp16), the fp32 GEMM over widened weights (kernels/widened_linear.py) is timed in the packed
 form's place, by the same rules (the tie, two wins in a row for the larger row counts). On a Zen 3
-(AVX2), torch's bf16 GEMM took 5-8x the fp32 GEMM's time from 16 rows up, the widened one
+(AVX2), torch's bf16 GEMM took 2.5-7x the fp32 GEMM's time at 16-512 rows, the widened one
 1.1-1.2x (docs/performance.md).
 
 Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a row; a

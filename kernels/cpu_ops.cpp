@@ -385,7 +385,7 @@ void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const 
 constexpr int64_t kWidenedElements = 2 * 1024 * 1024;
 
 // `at::linear`, or where torch's GEMM has no native path for x's half-precision dtype (a CPU
-// without AVX-512 BF16 / AMX for bf16: 5-8x the fp32 GEMM's time there) the fp32 GEMM over the
+// without AVX-512 BF16 / AMX for bf16: 2.5-7x the fp32 GEMM's time there) the fp32 GEMM over the
 // weight widened a block of output features at a time, rounded once: kernels/widened_linear.py's
 // op, the same calls in the same order, so the two implementations agree bit for bit.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

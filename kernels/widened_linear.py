@@ -3,8 +3,9 @@ GEMMs have no native half-precision path.
 
 Why: on a CPU without AVX-512 BF16 or AMX (an AMD Zen 3 here: AVX2 + FMA only) oneDNN reports no
 bf16 support, so bf16 weights cannot be packed (kernels/onednn_linear.py), and torch's own bf16
-GEMM took 5-8x the time of the fp32 GEMM of the same shape from 16 rows up (bench-small's linears
-at 64 rows: 22 ms against 3.4; docs/performance.md, "bf16 linears on a CPU without bf16 GEMMs").
+GEMM took 2.5x the time of the fp32 GEMM at 16 rows, 5.5x at 64 and 7x at 512 (all of bench-small's
+linears at 64 rows: 159 ms against 29; bench/test_widened_linear.py, docs/performance.md, "bf16
+linears on a CPU without bf16 GEMMs").
 Widening the weight to fp32 costs one pass over it, far less than that difference wherever the
 GEMM does a few multiply-adds per weight. So this op widens the weight, a block of output features
 at a time, into a reused fp32 scratch (small enough to stay in cache for the GEMM that reads it
