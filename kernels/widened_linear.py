@@ -20,14 +20,11 @@ timed where oneDNN cannot run the dtype, in the place of its packed GEMM.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 import torch.nn.functional as F
-
-from compiled_engine.kernels.source_version import source_version
-
-WIDENED_LINEAR_VERSION = source_version(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16)
 # fp32 scratch elements per block of output features (8 MiB): a block's widened weight stays in
@@ -45,6 +42,7 @@ def widened_linear_available(dtype: torch.dtype, device: torch.device | str = "c
     return torch.device(device).type == "cpu" and dtype in DTYPES
 
 
+@functools.cache  # the CPU's report does not change; dense_linear asks on every call
 def native_half_gemm(dtype: torch.dtype) -> bool:
     """Whether torch's CPU GEMM has a native path for `dtype` here: oneDNN's support report for
     bf16 / fp16 (AVX-512 BF16 / AMX, AVX-512 FP16); every other dtype counts as native."""
