@@ -66,7 +66,8 @@ form's place, by the same rules (the tie, two wins in a row for the larger row c
 
 Kernel: at the few smallest row counts (up to _MAX_KERNEL_ROWS, until it loses twice in a row; a
 bf16 kernel with AMX tiles starts its count again at the tiles' first row count, where it
-becomes another kernel, and is timed up to _MAX_TILE_ROWS) the hand-written C++ GEMV
+becomes another kernel, and is timed up to _MAX_TILE_ROWS; the AVX2 kernel likewise at its
+register tiles' first row count, timed up to _MAX_REGISTER_TILE_ROWS) the hand-written C++ GEMV
 (kernels/cpu_gemv.py, its weights packed before timing) is timed too, on the finished inputs as
 torch's GEMM is (it runs the same prologue once). A row count runs it (`kernel_rows`) where its
 fastest call beats both GEMM forms, and the lowering then has to beat it by _MIN_SPEEDUP as it
@@ -100,7 +101,9 @@ from compiled_engine.graphs.passes.gemv_lowering import GemvLowering
 from compiled_engine.kernels.cpu_gemv import (
     CPU_GEMV_VERSION,
     ISA_AMX_TILES,
+    ISA_AVX2,
     PACKED_GEMV_WEIGHTS,
+    REGISTER_TILE_MIN_ROWS,
     TILE_MIN_ROWS,
     cpu_gemv,
     cpu_gemv_available,
@@ -133,6 +136,10 @@ _PACKED_TIE = 1.1
 # lost from 64 (docs/performance.md, "The GEMV's tile path past 16 rows").
 _MAX_KERNEL_ROWS = 16
 _MAX_TILE_ROWS = 48
+# The AVX2 path's register tiles (from REGISTER_TILE_MIN_ROWS) are compute-bound as a GEMM is: on a
+# Zen 3 they beat the widened bf16 GEMM and tied fp32's up to 64 rows (docs/performance.md,
+# "Register tiles for the AVX2 GEMV"), so they are timed at every bucket until two losses in a row.
+_MAX_REGISTER_TILE_ROWS = 512
 # A median this far above the fastest call means other work competed for the cores.
 _NOISY_SPREAD = 1.5
 # Linears in one measured set (see the module docstring); a shape the model has once still
@@ -495,8 +502,12 @@ def measure_gemv_rows(
     # From TILE_MIN_ROWS on, a bf16 kernel on a CPU with AMX runs its tile path: another kernel,
     # which its dot path's losses at fewer rows say nothing about.
     tiles = kernel_available and dtype == torch.bfloat16 and gemv_isa() >= ISA_AMX_TILES
-    tiles_from = TILE_MIN_ROWS if tiles else None
-    max_kernel_rows = _MAX_TILE_ROWS if tiles else _MAX_KERNEL_ROWS
+    # So is the AVX2 path's register tiles from REGISTER_TILE_MIN_ROWS, every dtype.
+    register_tiles = kernel_available and gemv_isa() == ISA_AVX2
+    tiles_from = TILE_MIN_ROWS if tiles else REGISTER_TILE_MIN_ROWS if register_tiles else None
+    max_kernel_rows = (
+        _MAX_TILE_ROWS if tiles else _MAX_REGISTER_TILE_ROWS if register_tiles else _MAX_KERNEL_ROWS
+    )
     # The GEMM form that won the last unlowered rows (packed / widened or torch's), and how many in a row.
     gemm_form, form_wins_in_a_row = False, 0
     for rows in rows_to_try:

@@ -56,6 +56,9 @@ ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
 ISA_AMX_TILES = 4
 # Rows from which that path runs the tiles (kMinTileRows in the .cpp; fewer take the dot path).
 TILE_MIN_ROWS = 4
+# Rows from which the AVX2 path runs register tiles, 6 rows x 16 features of sums held over all of
+# K (kWideMinRows in the .cpp; fewer take its passes that stream the weight once).
+REGISTER_TILE_MIN_ROWS = 8
 ISA_NAMES = {
     ISA_PORTABLE: "portable C++",
     ISA_AVX2: "AVX2",

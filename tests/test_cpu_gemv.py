@@ -30,8 +30,10 @@ ISAS = [
     isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX_TILES) if isa <= gemv_isa()
 ]
 # (rows, in_features, out_features): odd sizes, none a multiple of 16 or 32, past one 64-feature
-# block and past the kernel's 4 rows per pass.
+# block and past the kernel's 4 rows per pass; from 8 rows the AVX2 path's register tiles of 6
+# rows, with 2, 1 and 4 rows left over and odd or tiny K.
 SHAPES = [(1, 33, 70), (2, 129, 200), (3, 7, 5), (5, 515, 131), (6, 64, 64)]
+SHAPES += [(8, 33, 70), (13, 129, 131), (20, 7, 200), (64, 515, 65)]
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -197,6 +197,13 @@ def test_measurement_on_small_shapes() -> None:
     assert GemvDecision.from_json(decision.to_json()) == decision
 
 
+@pytest.fixture
+def kernel_without_tiles(monkeypatch):
+    """The scripted rules below as on a CPU whose C++ GEMV has neither AMX nor AVX2 register tiles
+    (AVX-512 BF16): the kernel is timed up to _MAX_KERNEL_ROWS, whatever this CPU runs."""
+    monkeypatch.setattr(gemv_policy, "gemv_isa", lambda: gemv_policy.ISA_AMX_TILES - 1)
+
+
 def _scripted(wins: dict[int, bool], timed: list[int]):
     def time_rows(rows, linears, weight_sets, generator, **forms):
         timed.append(rows)
@@ -216,6 +223,7 @@ def _scripted(wins: dict[int, bool], timed: list[int]):
         ({1: True, 2: True, 4: True, 8: True, 16: True}, (1, 2, 4, 8, 16), ()),
     ],
 )
+@pytest.mark.usefixtures("kernel_without_tiles")
 def test_measuring_stops_after_two_gemm_wins_in_a_row(monkeypatch, wins, lowered, unmeasured) -> None:
     timed: list[int] = []
     monkeypatch.setattr(gemv_policy, "_time_rows", _scripted(wins, timed))
@@ -385,6 +393,7 @@ def _scripted_forms(
     return time_rows
 
 
+@pytest.mark.usefixtures("kernel_without_tiles")
 @pytest.mark.parametrize(
     ("outcomes", "lowered", "packed", "packs_dynamic", "unmeasured"),
     [
@@ -414,6 +423,7 @@ def test_packed_gemm_is_timed_beside_the_others(
     assert GemvDecision.from_json(decision.to_json()) == decision
 
 
+@pytest.mark.usefixtures("kernel_without_tiles")
 @pytest.mark.parametrize(
     ("outcomes", "widened", "widens_dynamic", "unmeasured"),
     [
@@ -546,6 +556,25 @@ def test_the_tile_path_is_timed_up_to_48_rows(monkeypatch) -> None:
     assert kernel_seen == [1, 4, 16, 24, 32, 48]
     assert decision.kernel_rows == (1, 4, 16, 32, 48)
     assert not decision.runs_kernel(64) and not decision.runs_kernel(24)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_avx2_register_tiles_are_timed_at_every_bucket_until_two_losses(monkeypatch, dtype) -> None:
+    """On AVX2 the kernel runs register tiles from REGISTER_TILE_MIN_ROWS rows, any dtype: another
+    kernel, timed again there after its streaming passes lost, and past the dot path's 16 rows up
+    to _MAX_REGISTER_TILE_ROWS, until two losses in a row."""
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "cpu_gemv_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "gemv_isa", lambda: gemv_policy.ISA_AVX2)
+    assert gemv_policy.REGISTER_TILE_MIN_ROWS == 8
+    outcomes = {1: "packed", 2: "packed", 8: "kernel", 16: "kernel", 64: "packed", 128: "kernel"}
+    outcomes |= {256: "packed", 512: "packed", 1024: "kernel"}
+    kernel_seen: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, [], kernel_seen))
+    decision = measure_gemv_rows(SMALL_SHAPES, sorted(outcomes), dtype, "cpu")
+    assert kernel_seen == [1, 2, 8, 16, 64, 128, 256, 512]
+    assert decision.kernel_rows == (8, 16, 128)
+    assert not decision.runs_kernel(1024) and not decision.runs_kernel(64)
 
 
 def test_a_real_measurement_picks_the_kernel_only_where_it_was_faster() -> None:
