@@ -8,8 +8,10 @@ Every linear of bench-small (bench/models.py: 6 layers' fused q/k/v, o, gate/up 
 LM head; 39 MB of bf16), fed `rows` rows, one pass through all of them: torch's `F.linear` on the
 bf16 tensors (what a bucket runs where no other form was measured faster) and `widened_linear`
 on the same tensors. fp32's `F.linear` over fp32 copies of the weights runs in the same rounds as
-the floor the widening approaches (its weights take twice the memory). Each one's median pass and
-the ratios are printed and kept in extra_info. Where oneDNN runs bf16 (AVX-512 BF16, AMX) the
+the floor the widening approaches (its weights take twice the memory), and the C++ GEMV over its
+packed copies (kernels/cpu_gemv.cpp; on AVX2 its register tiles from 8 rows), which the policy
+times beside the widened form. Each one's median pass and the ratios are printed and kept in
+extra_info. Where oneDNN runs bf16 (AVX-512 BF16, AMX) the
 policy never times the widened form, and this suite skips.
 
 `test_quantized_prompt_rows_widened`: the int8 / int4 ops at DEQUANTIZE_ROWS rows (a 512-token
@@ -28,6 +30,7 @@ from bench.interleaved import interleaved_medians
 from bench.test_gemv_rows import BENCH_SMALL_HEAD, BENCH_SMALL_LAYER, BENCH_SMALL_LAYERS
 from bench.test_quantized_many_rows import LAYER as QWEN_LAYER  # the 0.5B shape's layer linears
 from compiled_engine.kernels import cpu_gemv_quantized
+from compiled_engine.kernels.cpu_gemv import cpu_gemv_available, cpu_gemv_linear
 from compiled_engine.kernels.onednn_linear import onednn_linear_available
 from compiled_engine.kernels.weight_quantization import dequantize, quantize_int4, quantize_int8
 from compiled_engine.kernels.widened_linear import widened_linear
@@ -58,10 +61,16 @@ def test_widened_against_bf16_gemm(benchmark, request, rows):
     def fp32_pass() -> list[torch.Tensor]:
         return [F.linear(x.float(), w) for x, w in zip(xs, weights32, strict=True)]
 
-    for ours, theirs in zip(widened_pass()[-2:], bf16_pass()[-2:], strict=True):
-        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-1)
-    benchmark.group = f"bench-small's linears, bf16, {rows} rows: torch's bf16 GEMM, widened, fp32"
+    def kernel_pass() -> list[torch.Tensor]:  # packed copies made by the first call, outside the rounds
+        return [cpu_gemv_linear(x, w) for x, w in zip(xs, weights, strict=True)]
+
     passes = {"bf16": bf16_pass, "widened": widened_pass, "fp32": fp32_pass}
+    if cpu_gemv_available(torch.bfloat16):
+        passes["kernel"] = kernel_pass
+    for form in ("widened", *(["kernel"] if "kernel" in passes else [])):
+        for ours, theirs in zip(passes[form]()[-2:], bf16_pass()[-2:], strict=True):
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-1)
+    benchmark.group = f"bench-small's linears, bf16, {rows} rows: torch's bf16 GEMM, widened, fp32, C++ GEMV"
     medians = interleaved_medians(benchmark, passes, PASSES[profile])
     benchmark.extra_info.update(
         rows=rows,
@@ -71,12 +80,17 @@ def test_widened_against_bf16_gemm(benchmark, request, rows):
         widened_over_fp32=medians["widened"] / medians["fp32"],
     )
     ms = {name: seconds * 1e3 for name, seconds in medians.items()}
-    print(
+    line = (
         f"\n{rows} rows: bf16 GEMM {ms['bf16']:.2f} ms, widened {ms['widened']:.2f} ms, "
         f"fp32 {ms['fp32']:.2f} ms; "
         f"widened / bf16 {medians['widened'] / medians['bf16']:.2f}x, "
         f"widened / fp32 {medians['widened'] / medians['fp32']:.2f}x"
     )
+    if "kernel" in medians:
+        # The C++ GEMV: its AVX2 register tiles from 8 rows (kernels/cpu_gemv.cpp).
+        benchmark.extra_info["kernel_over_widened"] = medians["kernel"] / medians["widened"]
+        line += f"; C++ GEMV {ms['kernel']:.2f} ms, {medians['kernel'] / medians['widened']:.2f}x widened"
+    print(line)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -384,6 +384,7 @@ CE_AVX2 void wide_avx2_bf16(const Problem& p, int64_t block, int64_t row0, int c
   const int64_t k_count = p.k_padded;
   const float* x0 = p.x_float + row0 * k_count;
   const uint16_t* w = static_cast<const uint16_t*>(p.packed) + block * k_count * kBlock + 16 * c0;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < k_count; k += 2, w += 2 * kBlock) {
     __m256 wv[NF];
     for (int j = 0; j < NF; ++j)
@@ -395,7 +396,7 @@ CE_AVX2 void wide_avx2_bf16(const Problem& p, int64_t block, int64_t row0, int c
     }
     for (int j = 0; j < NF; ++j)  // the odd k: the pair's high half, its low half cleared
       wv[j] = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j)), 16), 16));
+          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j)), high));
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x0 + r * k_count + k + 1);
       for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
