@@ -446,12 +446,15 @@ void block_avx2(const Problem& p, int64_t block, int64_t row0) {
 
 // Many rows (ce_cpu_gemm_* on AVX2, where there are no tiles): past a few rows the GEMV's cost is
 // widening the integers again for every 4 rows, not reading them. This path dequantizes kChunkK
-// input features of a 64-output block to float32 once (8 KB, in L1: int8 as q, its scale applied
-// at the end; int4 as q * scale + offset) and multiplies up to kSlabRows rows by them, 4 rows x 16
+// input features of a 64-output block to float32 once (16 KB, in L1: int8 as q, its scale applied
+// at the end; int4 as q * scale + offset) and multiplies up to kSlabRows rows by them, 6 rows x 16
 // outputs in registers at a time, with the rows' sums [rows][64] kept in L1 between chunks. The
 // integers are read and widened once per kSlabRows rows, and the rest is multiply-adds.
-constexpr int64_t kChunkK = 32;
+constexpr int64_t kChunkK = 64;
 constexpr int64_t kSlabRows = 64;
+// Rows a register tile: 6 rows x 16 outputs of sums, 2 of weights and a broadcast are 15 of the
+// 16 ymm, one broadcast per two multiply-adds (as kernels/cpu_gemv.cpp's register tiles).
+constexpr int64_t kChunkRows = 6;
 
 template <bool kInt4>
 CE_AVX2 void dequantize_chunk_avx2(const Problem& p, int64_t block, int64_t k0, int64_t kc, float* chunk) {
@@ -517,14 +520,16 @@ void many_rows_block_avx2(const Problem& p, int64_t block, float* sums) {
     for (int64_t k0 = 0; k0 < k_count; k0 += kChunkK) {
       const int64_t kc = std::min(kChunkK, k_count - k0);
       dequantize_chunk_avx2<kInt4>(p, block, k0, kc, chunk);
-      for (int64_t r = 0; r < rows; r += 4) {
+      for (int64_t r = 0; r < rows; r += kChunkRows) {
         const float* x = p.x + (slab + r) * k_count + k0;
         float* s = sums + r * kBlock;
-        switch (std::min<int64_t>(4, rows - r)) {
+        switch (std::min<int64_t>(kChunkRows, rows - r)) {
           case 1: rows_times_chunk_avx2<1>(chunk, kc, x, k_count, s); break;
           case 2: rows_times_chunk_avx2<2>(chunk, kc, x, k_count, s); break;
           case 3: rows_times_chunk_avx2<3>(chunk, kc, x, k_count, s); break;
-          default: rows_times_chunk_avx2<4>(chunk, kc, x, k_count, s); break;
+          case 4: rows_times_chunk_avx2<4>(chunk, kc, x, k_count, s); break;
+          case 5: rows_times_chunk_avx2<5>(chunk, kc, x, k_count, s); break;
+          default: rows_times_chunk_avx2<6>(chunk, kc, x, k_count, s); break;
         }
       }
     }

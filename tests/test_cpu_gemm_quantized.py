@@ -40,9 +40,10 @@ pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32),
 ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()]
 ISAS += [ISA_AVX512_BF16] if avx512_many_rows_available() else []
 ISAS += [ISA_AMX] if tiles_available() else []
-# 7 and 70: a pass of fewer than 4 rows after full ones; 70 and 100: past the AVX2 path's 64-row
-# slab; 300: past the AVX-512 path's 256-row panel.
-ROWS = (1, 3, 7, 16, 64, 70, 100, 300)
+# 7, 11, 16, 20 and 70: a pass of fewer rows after full ones (1, 5, 4, 2 and 4 after the AVX2
+# path's 6-row register tiles); 70 and 100: past its 64-row slab; 300: past the AVX-512 path's
+# 256-row panel.
+ROWS = (1, 3, 7, 11, 16, 20, 64, 70, 100, 300)
 # (in_features, out_features): in_features not a multiple of the tiles' 32 (int8), out_features
 # past one 64-output block and not a multiple of it.
 INT8_SHAPES = [(70, 130), (96, 64), (515, 200)]
