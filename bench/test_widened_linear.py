@@ -131,3 +131,57 @@ def test_quantized_prompt_rows_widened(benchmark, request, scheme):
         f"\n{scheme} {rows} rows: op {medians['op'] * 1e3:.2f} ms, "
         f"bf16 GEMM {medians['bf16_gemm'] * 1e3:.2f} ms, {ratio:.2f}x"
     )
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_decode_rows_against_bf16(benchmark, request, scheme, rows):
+    """#21's "16 and 64 requests no slower than bf16" on a CPU without bf16 GEMMs: the int8 / int4
+    ops as the graphs call them (here their many-rows AVX2 path: each chunk of a block dequantized
+    once, rows in register tiles) against bf16's fastest forms on the same weights, the C++ GEMV
+    (its register tiles) and the widened GEMM, the 0.5B shape's layer, interleaved."""
+    if not cpu_gemv_available(torch.bfloat16):
+        pytest.skip("no C++ compiler: neither the quantized ops' kernel nor the bf16 GEMV runs")
+    profile = request.config._bench_sizes.profile
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(o, i, generator=generator).to(torch.bfloat16) for o, i in QWEN_LAYER]
+    quantized = [quantize_int8(w) if scheme == "int8" else quantize_int4(w, 32) for w in weights]
+    xs = [torch.randn(rows, i, generator=generator).to(torch.bfloat16) for _, i in QWEN_LAYER]
+    ops = torch.ops.compiled_engine
+
+    def op_pass() -> list[torch.Tensor]:
+        if scheme == "int8":
+            return [
+                ops.cpu_gemm_int8(x, q.qweight, q.scales, None) for x, q in zip(xs, quantized, strict=True)
+            ]
+        return [
+            ops.cpu_gemm_int4(x, q.qweight, q.scales, q.zeros, 32, None)
+            for x, q in zip(xs, quantized, strict=True)
+        ]
+
+    def gemv_pass() -> list[torch.Tensor]:
+        return [cpu_gemv_linear(x, w) for x, w in zip(xs, weights, strict=True)]
+
+    def widened_pass() -> list[torch.Tensor]:
+        return [widened_linear(x, w, None) for x, w in zip(xs, weights, strict=True)]
+
+    for ours, x, q in zip(op_pass(), xs, quantized, strict=True):
+        torch.testing.assert_close(ours.float(), F.linear(x.float(), dequantize(q)), rtol=2e-2, atol=2e-1)
+    benchmark.group = (
+        f"the 0.5B shape's layer linears, {rows} rows: {scheme} op against bf16's C++ GEMV and widened GEMM"
+    )
+    passes = {"op": op_pass, "bf16_gemv": gemv_pass, "bf16_widened": widened_pass}
+    medians = interleaved_medians(benchmark, passes, PASSES[profile])
+    best_bf16 = min(medians["bf16_gemv"], medians["bf16_widened"])
+    benchmark.extra_info.update(
+        scheme=scheme,
+        rows=rows,
+        threads=torch.get_num_threads(),
+        op_over_best_bf16=medians["op"] / best_bf16,
+        **{f"{name}_median_s": seconds for name, seconds in medians.items()},
+    )
+    ms = {name: seconds * 1e3 for name, seconds in medians.items()}
+    print(
+        f"\n{scheme} {rows} rows: op {ms['op']:.2f} ms, bf16 C++ GEMV {ms['bf16_gemv']:.2f} ms, "
+        f"bf16 widened {ms['bf16_widened']:.2f} ms; op / best bf16 {medians['op'] / best_bf16:.2f}x"
+    )
