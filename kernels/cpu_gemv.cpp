@@ -361,20 +361,18 @@ void block_avx2(const Problem& p, int64_t block, int64_t row0) {
 //
 // Past a few rows the multiply-adds, not the weight's bytes, are the cost, and the passes above
 // spend one broadcast of x per multiply-add (each register of weights meets every row before the
-// next register is loaded, and 16 ymm cannot hold the broadcasts between them). Here a pass holds
-// R x NF sums in registers over all of K: each k's NF weight registers are widened once and meet
-// the R rows, one broadcast each, so a broadcast feeds NF multiply-adds (4 rows x 24 features: 12
-// sums, 3 weights, 1 broadcast = 16 ymm). bf16 pairs are widened even k first, then odd k
-// (reloaded from L1), so the two never need registers at once. The block's weights come from
-// memory for its first row group and from L2 for the rest (a block of 64 features is 128 bytes a
-// k: 180 KB at K = 1,408). On bench-small's linears at 64 rows: see kWideRows.
-#ifndef CE_WIDE_ROWS
-#define CE_WIDE_ROWS 6
-#define CE_WIDE_COLS 2
-#endif
-constexpr int kWideRows = CE_WIDE_ROWS;     // rows of a register tile
-constexpr int kWideCols = CE_WIDE_COLS;     // ymm of features
-constexpr int64_t kWideMinRows = 8;  // from here the AVX2 path runs register tiles
+// next register is loaded, and 16 ymm cannot hold the broadcasts between them): ~50 GFLOP/s on a
+// Zen 3 whose fp32 GEMM reaches ~140. Here a pass holds kWideRows x kWideCols registers of sums
+// over all of K: each k's weight registers are widened once and meet the rows, one broadcast
+// each, so a broadcast feeds kWideCols multiply-adds (6 rows x 16 features: 12 sums, 2 weights, 1
+// broadcast = 15 ymm; 4 rows x 24 left the compiler no register for a load and it spilled the
+// sums every k). bf16 pairs are widened even k first (shifted), then odd k (reloaded from L1 and
+// masked), so the two never need registers at once. The block's weights come from memory for its
+// first rows and from L2 for the rest (a block of 64 features is 128 bytes a k: 180 KB at K =
+// 1,408). bench/test_widened_linear.py times it on bench-small's linears (docs/performance.md).
+constexpr int kWideRows = 6;         // rows of a register tile
+constexpr int kWideCols = 2;         // ymm registers of features (16 features)
+constexpr int64_t kWideMinRows = 8;  // from here the AVX2 path runs register tiles (fewer: passes)
 
 template <int R, int NF>
 CE_AVX2 void wide_avx2_bf16(const Problem& p, int64_t block, int64_t row0, int c0, float* sums) {
@@ -651,7 +649,7 @@ int ce_cpu_gemv(const void* x, int64_t x_stride, int64_t rows, const void* packe
   }
 #endif
 #if defined(__x86_64__)
-  if (isa == 1 && rows >= kWideMinRows) {
+  if (isa == 1 && rows >= kWideMinRows) {  // AVX2: register tiles, then the rows left over
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; ++block) {
       int64_t row0 = 0;
