@@ -52,7 +52,13 @@ Packed: where oneDNN can pack the dtype (kernels/onednn_linear.py), every measur
 also times the linears through it (weights packed before timing, as a warm engine has them),
 and the lowering must beat the faster GEMM form. Once the lowering is out (two losses in a row)
 row counts are timed for the two GEMM forms alone, until one has won twice in a row; larger
-row counts, and the dynamic graph above the largest bucket, take that winner. torch's GEMM
+row counts, and the dynamic graph above the largest bucket, take that winner. Where the kernel is
+still timed past that point (the AVX2 register tiles below), a packed / widened form that beat
+torch's GEMM twice in a row is timed against it alone: torch's GEMM is timed no more (its
+`gemm_ms` is None), since it is the slowest form there and its calls cost the most (torch's bf16
+GEMM at 512 rows on a Zen 3: 0.6 s a call; timing it at every bucket to 512 made a bench-small
+bf16 measurement take 11-33 s, without it 6-10 s, where the old rule, which stopped timing at
+24-32 rows, took 2-3 s). torch's GEMM
 wins a row count only by beating the packed form by _PACKED_TIE: at a few rows both stream
 the weights and tie within noise, and a tie must not hand the compute-bound rows to it. On bench-small
 (2 threads, fp32) the packed form took 2.69 ms where `F.linear` took 5.76 at 8 rows, and won from
@@ -231,9 +237,9 @@ class RowTiming:
     """
 
     rows: int
-    gemm_ms: float  # torch's F.linear
+    gemm_ms: float | None  # torch's F.linear; None once a prepared form has settled (module docstring)
     gemv_ms: float | None  # Inductor-compiled prologues and multiply-sums
-    gemm_best_ms: float
+    gemm_best_ms: float | None
     gemv_best_ms: float | None
     packed_ms: float | None = None  # oneDNN over packed weights
     packed_best_ms: float | None = None
@@ -248,19 +254,23 @@ class RowTiming:
     def packing_wins(self) -> bool:
         """Whether oneDNN over packed weights is the GEMM to use here: unless torch's GEMM's
         fastest call beat it by _PACKED_TIE (a tie goes to the packed form, see there)."""
-        return self.packed_best_ms is not None and self.packed_best_ms < self.gemm_best_ms * _PACKED_TIE
+        return self.packed_best_ms is not None and (
+            self.gemm_best_ms is None or self.packed_best_ms < self.gemm_best_ms * _PACKED_TIE
+        )
 
     @property
     def widening_wins(self) -> bool:
         """Whether the widened GEMM is the GEMM to use here, by the packed form's rule."""
-        return self.widened_best_ms is not None and self.widened_best_ms < self.gemm_best_ms * _PACKED_TIE
+        return self.widened_best_ms is not None and (
+            self.gemm_best_ms is None or self.widened_best_ms < self.gemm_best_ms * _PACKED_TIE
+        )
 
     @property
     def _best_gemm_ms(self) -> float:
         # The faster form's call, whichever the row count then runs: the lowering and the kernel
         # must beat every GEMM form (module docstring), not only the one a near tie picked.
-        prepared = [t for t in (self.packed_best_ms, self.widened_best_ms) if t is not None]
-        return min([self.gemm_best_ms, *prepared])
+        timed = [t for t in (self.gemm_best_ms, self.packed_best_ms, self.widened_best_ms) if t is not None]
+        return min(timed)
 
     @property
     def lowering_wins(self) -> bool:
@@ -384,9 +394,9 @@ class GemvDecision:
                 timings=tuple(
                     RowTiming(
                         rows=int(t["rows"]),
-                        gemm_ms=float(t["gemm_ms"]),  # torch's GEMM is timed at every measured row count
+                        gemm_ms=_optional_float(t["gemm_ms"]),
                         gemv_ms=_optional_float(t["gemv_ms"]),
-                        gemm_best_ms=float(t["gemm_best_ms"]),
+                        gemm_best_ms=_optional_float(t["gemm_best_ms"]),
                         gemv_best_ms=_optional_float(t["gemv_best_ms"]),
                         packed_ms=_optional_float(t["packed_ms"]),
                         packed_best_ms=_optional_float(t["packed_best_ms"]),
@@ -524,6 +534,9 @@ def measure_gemv_rows(
         ):
             unmeasured.append(rows)
             continue
+        # A packed / widened form that beat torch's GEMM twice in a row has settled the GEMM
+        # form: where the kernel is still timed, against that form alone (module docstring).
+        gemm_settled = prepared and gemm_form and form_wins_in_a_row >= _GEMM_WINS_TO_STOP
         timing = _time_rows(
             rows,
             linears,
@@ -533,6 +546,7 @@ def measure_gemv_rows(
             packed=packing,
             kernel=kernel_in_play,
             widened=widening,
+            gemm=not gemm_settled,
         )
         timings.append(timing)
         if lowering_in_play:
@@ -654,9 +668,13 @@ def _time_rows(
     packed: bool = False,
     kernel: bool = False,
     widened: bool = False,
+    gemm: bool = True,
 ) -> RowTiming:
-    """Time the linears at `rows` rows: torch's GEMM, plus the lowering (`gemv`), oneDNN over
-    packed weights (`packed`), the C++ GEMV (`kernel`) and the widened GEMM (`widened`) when asked."""
+    """Time the linears at `rows` rows: torch's GEMM (unless `gemm` is False, when a packed or
+    widened form must be timed), plus the lowering (`gemv`), oneDNN over packed weights
+    (`packed`), the C++ GEMV (`kernel`) and the widened GEMM (`widened`) when asked."""
+    if not gemm and not packed and not widened:
+        raise ValueError("_time_rows: without torch's GEMM a packed or widened form must be timed")
     # Inputs of their own for every linear, as in a model where each layer reads its own
     # activation: shared ones would let Inductor fuse reductions that a real graph cannot.
     inputs = [_prologue_inputs(kind, rows, i, weight_sets[0][0].dtype, generator) for _, i, kind in linears]
@@ -668,7 +686,8 @@ def _time_rows(
     with torch.no_grad():
         # The unlowered graph computes each prologue once, a negligible rows x in: untimed.
         xs = [_prologue(kind, group) for (_, _, kind), group in zip(linears, inputs, strict=True)]
-        forms["gemm"] = lambda: [F.linear(x, w) for x, w in zip(xs, next(turns), strict=True)]
+        if gemm:
+            forms["gemm"] = lambda: [F.linear(x, w) for x, w in zip(xs, next(turns), strict=True)]
         if packed:
             for w in itertools.chain.from_iterable(weight_sets):
                 PACKED_WEIGHTS.get(w)  # packed before timing, as a warm engine has them
@@ -701,9 +720,9 @@ def _time_rows(
 
     return RowTiming(
         rows,
-        gemm_ms=statistics.median(seconds["gemm"]) * 1e3,  # the GEMM form is always timed
+        gemm_ms=median_ms("gemm"),
         gemv_ms=median_ms("gemv"),
-        gemm_best_ms=min(seconds["gemm"]) * 1e3,
+        gemm_best_ms=best_ms("gemm"),
         gemv_best_ms=best_ms("gemv"),
         packed_ms=median_ms("packed"),
         packed_best_ms=best_ms("packed"),

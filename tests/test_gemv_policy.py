@@ -363,24 +363,29 @@ def test_a_near_tie_between_the_gemm_forms_goes_to_the_packed_one():
 
 
 def _scripted_forms(
-    outcomes: dict[int, str], timed: list[tuple[int, bool, bool]], kernel_timed: list[int] | None = None
+    outcomes: dict[int, str],
+    timed: list[tuple[int, bool, bool]],
+    kernel_timed: list[int] | None = None,
+    gemm_timed: list[int] | None = None,
 ):
     """outcomes: rows -> the fastest form ("gemv", "packed", "gemm", "kernel" or "widened") of a
     scripted timing."""
 
     def time_rows(
-        rows, linears, weight_sets, generator, gemv=True, packed=False, kernel=False, widened=False
+        rows, linears, weight_sets, generator, gemv=True, packed=False, kernel=False, widened=False, gemm=True
     ):
         timed.append((rows, gemv, packed or widened))
         if kernel and kernel_timed is not None:
             kernel_timed.append(rows)
+        if gemm and gemm_timed is not None:
+            gemm_timed.append(rows)
         best = {"gemm": 4.0, "packed": 4.5, "gemv": 4.5, "kernel": 4.5, "widened": 4.5}
         best[outcomes[rows]] = 1.0
         return RowTiming(
             rows,
-            gemm_ms=best["gemm"],
+            gemm_ms=best["gemm"] if gemm else None,
             gemv_ms=best["gemv"] if gemv else None,
-            gemm_best_ms=best["gemm"],
+            gemm_best_ms=best["gemm"] if gemm else None,
             gemv_best_ms=best["gemv"] if gemv else None,
             packed_ms=best["packed"] if packed else None,
             packed_best_ms=best["packed"] if packed else None,
@@ -570,11 +575,36 @@ def test_the_avx2_register_tiles_are_timed_at_every_bucket_until_two_losses(monk
     outcomes = {1: "packed", 2: "packed", 8: "kernel", 16: "kernel", 64: "packed", 128: "kernel"}
     outcomes |= {256: "packed", 512: "packed", 1024: "kernel"}
     kernel_seen: list[int] = []
-    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, [], kernel_seen))
+    gemm_seen: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, [], kernel_seen, gemm_seen))
     decision = measure_gemv_rows(SMALL_SHAPES, sorted(outcomes), dtype, "cpu")
     assert kernel_seen == [1, 2, 8, 16, 64, 128, 256, 512]
     assert decision.kernel_rows == (8, 16, 128)
     assert not decision.runs_kernel(1024) and not decision.runs_kernel(64)
+    # The packed form beat torch's GEMM at 1 and 2 rows: from then on the kernel is timed against
+    # it alone (torch's GEMM, the slowest form there, costs the most to time).
+    assert gemm_seen == [1, 2]
+    assert all(t.gemm_best_ms is None for t in decision.timings if t.rows > 2)
+    assert decision.packed_rows == (1, 2, 64, 256, 512, 1024) and decision.packs_dynamic
+    assert GemvDecision.from_json(decision.to_json()) == decision
+
+
+def test_torch_gemm_is_timed_until_a_prepared_form_has_beaten_it_twice(monkeypatch) -> None:
+    """On AVX2 with the widened form (bf16, no oneDNN bf16): torch's GEMM wins at 1 row, the
+    widened form at 2 and 4; from 8 rows, where the register tiles keep the kernel timed, torch's
+    GEMM is not timed, and a real timing without it needs a prepared form."""
+    time_rows = gemv_policy._time_rows
+    monkeypatch.setattr(gemv_policy, "onednn_linear_available", lambda dtype, device: False)
+    monkeypatch.setattr(gemv_policy, "cpu_gemv_available", lambda dtype, device: True)
+    monkeypatch.setattr(gemv_policy, "gemv_isa", lambda: gemv_policy.ISA_AVX2)
+    outcomes = {1: "gemm", 2: "widened", 4: "widened", 8: "kernel", 16: "widened"}
+    gemm_seen: list[int] = []
+    monkeypatch.setattr(gemv_policy, "_time_rows", _scripted_forms(outcomes, [], [], gemm_seen))
+    decision = measure_gemv_rows(SMALL_SHAPES, sorted(outcomes), torch.bfloat16, "cpu")
+    assert gemm_seen == [1, 2, 4]
+    assert decision.kernel_rows == (8,) and decision.widened_rows == (2, 4, 16)
+    with pytest.raises(ValueError, match="a packed or widened form must be timed"):
+        time_rows(1, [], [[]], torch.Generator(), gemm=False)
 
 
 def test_a_real_measurement_picks_the_kernel_only_where_it_was_faster() -> None:
