@@ -26,7 +26,7 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 
 # Two workers, a test file each at a time (--dist loadfile: a module's fixtures are built once): on
-# the 2-core CI machine the default suite took 13.5 minutes so, against 21 on one worker.
+# a 2-core machine like CI's the default suite took 13.5 minutes this way, against 21 on one worker.
 test: setup
 	$(BIN)/ruff check .
 	$(TYPECHECK)
