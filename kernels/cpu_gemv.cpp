@@ -374,6 +374,22 @@ constexpr int kWideRows = 6;         // rows of a register tile
 constexpr int kWideCols = 2;         // ymm registers of features (16 features)
 constexpr int64_t kWideMinRows = 8;  // from here the AVX2 path runs register tiles (fewer: passes)
 
+// acc[r][j] += w[j] * x[r * stride] for a tile's R rows: one broadcast a row, NF multiply-adds.
+template <int R, int NF>
+CE_AVX2 inline void tile_fmadd(__m256 (&acc)[R][NF], const __m256 (&w)[NF], const float* x, int64_t stride) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * stride);
+    for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_fmadd_ps(w[j], xv, acc[r][j]);
+  }
+}
+
+// A tile's sums into sums[r][8 * c0 ...] (every sum of the pass: the tile covers all of K).
+template <int R, int NF>
+CE_AVX2 inline void tile_store(const __m256 (&acc)[R][NF], int c0, float* sums) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NF; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+}
+
 template <int R, int NF>
 CE_AVX2 void wide_avx2_bf16(const Problem& p, int64_t block, int64_t row0, int c0, float* sums) {
   __m256 acc[R][NF];
@@ -388,20 +404,13 @@ CE_AVX2 void wide_avx2_bf16(const Problem& p, int64_t block, int64_t row0, int c
     for (int j = 0; j < NF; ++j)
       wv[j] = _mm256_castsi256_ps(
           _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j)), 16));
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x0 + r * k_count + k);
-      for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
-    }
+    tile_fmadd<R, NF>(acc, wv, x0 + k, k_count);
     for (int j = 0; j < NF; ++j)  // the odd k: the pair's high half, its low half cleared
       wv[j] = _mm256_castsi256_ps(
           _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j)), high));
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x0 + r * k_count + k + 1);
-      for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
-    }
+    tile_fmadd<R, NF>(acc, wv, x0 + k + 1, k_count);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NF; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+  tile_store<R, NF>(acc, c0, sums);
 }
 
 template <int R, int NF, bool kHalf>
@@ -421,13 +430,9 @@ CE_AVX2 void wide_avx2_float(const Problem& p, int64_t block, int64_t row0, int 
       const float* w = static_cast<const float*>(p.packed) + (block * k_count + k) * kBlock + 8 * c0;
       for (int j = 0; j < NF; ++j) wv[j] = _mm256_loadu_ps(w + 8 * j);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x0 + r * k_count + k);
-      for (int j = 0; j < NF; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
-    }
+    tile_fmadd<R, NF>(acc, wv, x0 + k, k_count);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NF; ++j) _mm256_storeu_ps(sums + r * kBlock + 8 * (c0 + j), acc[r][j]);
+  tile_store<R, NF>(acc, c0, sums);
 }
 
 // One block of kWideRows rows: passes of kWideCols registers, then the bias and the dtype.
