@@ -67,7 +67,7 @@ def test_widened_against_bf16_gemm(benchmark, request, rows):
     passes = {"bf16": bf16_pass, "widened": widened_pass, "fp32": fp32_pass}
     if cpu_gemv_available(torch.bfloat16):
         passes["kernel"] = kernel_pass
-    for form in ("widened", *(["kernel"] if "kernel" in passes else [])):
+    for form in passes.keys() & {"widened", "kernel"}:  # each form of ours against torch's bf16 GEMM
         for ours, theirs in zip(passes[form]()[-2:], bf16_pass()[-2:], strict=True):
             torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-1)
     benchmark.group = f"bench-small's linears, bf16, {rows} rows: torch's bf16 GEMM, widened, fp32, C++ GEMV"
