@@ -178,7 +178,8 @@ def pack_int4(
     """int4 nibbles [N, K / 2], scales and zeros [N, G] -> packed [blocks, K / 2, 64] uint8 (the same
     bytes, features side by side), scales and offsets (zero - 8 * scale) [blocks, G, 64] float32,
     and for bf16 scales and zeros also scale_zero [blocks, G, 64] int32: each scale's bf16 bits in
-    the low half, its zero's in the high one (what the AVX-512 paths stream: half the bytes)."""
+    the low half, its zero's in the high one (what the integer and AVX-512 paths stream: half the
+    bytes)."""
     with torch.no_grad():
         q = _blocks(qweight, fill=0x88)  # padded features: q = 8 everywhere, scale 0, offset 0
         packed = q.view(-1, BLOCK, q.shape[1]).permute(0, 2, 1).contiguous()

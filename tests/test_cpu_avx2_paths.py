@@ -1,6 +1,7 @@
 """The CPU kernels' AVX2 paths, each forced, against the float32 reference: the float GEMV
-(kernels/cpu_gemv.py: float32, bf16 widened by shifts, fp16 through F16C), the int8/int4 GEMV and
-the many-rows ops' AVX2 dequantize-once path (kernels/cpu_gemv_quantized.py), at 1, 3, 16 and 64
+(kernels/cpu_gemv.py: float32, bf16 widened by shifts, fp16 through F16C), the int8/int4 GEMV (its
+float loops, and for bf16 / fp16 x its vpmaddwd integer ones) and the many-rows ops' AVX2
+dequantize-once path (kernels/cpu_gemv_quantized.py), at 1, 3, 16 and 64
 rows (past the kernels' 4 rows per pass and their 64-row slab), odd sizes and strided inputs.
 
 On a CPU with AVX-512 the many-rows ops keep their own paths, so there `cpu_gemm_*` forced to AVX2
@@ -62,9 +63,12 @@ def test_float_gemv(dtype, rows) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("many_rows", [False, True], ids=["gemv", "gemm"])
-def test_int8(dtype, rows, many_rows) -> None:
+@pytest.mark.parametrize("in_features", [133, 600])
+def test_int8(dtype, rows, many_rows, in_features) -> None:
+    # 133: k past 4 of the dequantize-once path's chunks, odd (the GEMV's float loop); 600: even,
+    # so the GEMV takes its integer loop for bf16 / fp16 x, over two 256-input chunks and a part.
     generator = torch.Generator().manual_seed(100 + rows)
-    in_features, out_features = 133, 131  # k past 4 of the dequantize-once path's 32-k chunks, odd
+    out_features = 131
     q = quantize_int8(torch.randn(out_features, in_features, generator=generator).to(dtype))
     b = torch.randn(out_features, generator=generator).to(dtype)
     x = _strided(rows, in_features, dtype, generator)

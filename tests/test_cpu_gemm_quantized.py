@@ -35,8 +35,9 @@ from compiled_engine.kernels.weight_quantization import dequantize, quantize_int
 pytestmark = pytest.mark.skipif(not cpu_gemv_quantized_available(torch.float32), reason="no C++ compiler")
 
 # The tile path and the AVX-512 widen-once path (ISA_AVX512_BF16) where they run, and the GEMV
-# paths the ops take without them (ISA_AVX2: the dequantize-once path on a CPU whose best path is
-# AVX2, else the AVX2 GEMV; ISA_AVX512: the AVX-512 GEMV's loops).
+# paths the ops take without them (ISA_AVX2: from 8 rows the widen-once path on a CPU whose best
+# path is AVX2 (integer for bf16 x and even in_features, else dequantized to float), the AVX2
+# GEMV below 8 rows or elsewhere; ISA_AVX512: the AVX-512 GEMV's loops).
 ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()]
 ISAS += [ISA_AVX512_BF16] if avx512_many_rows_available() else []
 ISAS += [ISA_AMX] if tiles_available() else []
@@ -45,8 +46,9 @@ ISAS += [ISA_AMX] if tiles_available() else []
 # 256-row panel.
 ROWS = (1, 3, 7, 11, 16, 20, 64, 70, 100, 300)
 # (in_features, out_features): in_features not a multiple of the tiles' 32 (int8), out_features
-# past one 64-output block and not a multiple of it.
-INT8_SHAPES = [(70, 130), (96, 64), (515, 200)]
+# past one 64-output block and not a multiple of it; even in_features take the integer loops on
+# AVX2 (600: two 256-input x16 chunks and a part one, each in 64-input widened chunks).
+INT8_SHAPES = [(70, 130), (96, 64), (515, 200), (600, 131)]
 INT4_SHAPES = [(64, 70, 32), (256, 131, 64), (96, 5, 32), (512, 67, 256)]
 
 
