@@ -302,6 +302,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["compiled_engine_bench"] = {
         "profile": sizes.profile,
         "dtype": config._bench_dtype,
+        "quantization": config._bench_quantization,
         "attention_backend": config._bench_attention_backend,
         "sizes": sizes.__dict__,
         "command": f"{Path(sys.executable).name} -m pytest {args}",

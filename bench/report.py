@@ -284,6 +284,8 @@ def peers_section(runs: list[tuple[dict, dict]], labels: list[str] | None = None
         dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(
             context.get("dtype", "float32"), context.get("dtype")
         )
+        if context.get("quantization"):  # --bench-quantization: our weights (and llama.cpp's) quantized
+            dtype = f"{dtype} {context['quantization']}"
         status = context.get("peers", {})
         for model in _models(results, "decode"):
             for p in _params(results, "decode", model):

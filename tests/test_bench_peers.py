@@ -157,3 +157,20 @@ def test_report_puts_peer_columns_beside_ours_and_hf(tmp_path):
     # Throughput: vLLM 100 tokens / 5 s, ours 50 tok/s: 2.5x.
     assert "| 20 | 2.50× | not installed | not installed |" in text
     assert report.main(["--peers-table", str(path), str(path)]) == 0
+
+
+def test_the_peers_table_names_a_quantized_sessions_weights():
+    # --bench-quantization int4: ours ran int4 weights and llama.cpp its Q4_0, so the row says int4,
+    # not only the activations' dtype.
+    context = {"dtype": "bfloat16", "quantization": "int4", "peers": {"llamacpp": {"status": "installed"}}}
+    decode = [
+        _bench("decode", "ours", 1, [2.0], tokens_generated=64, round_tpot_s=[0.02], tpot_median_s=0.02),
+        _bench("decode", "llamacpp", 1, [4.0], tokens_generated=64, round_tpot_s=[0.05], tpot_median_s=0.05,
+               timed_in="peer", round_elapsed_s=[4.0]),
+    ]  # fmt: skip
+    results = {(b["extra_info"]["workload"], b["extra_info"]["model"], b["extra_info"]["param"],
+                b["extra_info"]["system"]): b for b in decode}  # fmt: skip
+    lines = report.peers_section([(context, results)])
+    assert "| m bf16 int4, 1 | 32 (50) | 16 (20) | — | 2.00× | — |" in lines
+    unquantized = report.peers_section([({**context, "quantization": None}, results)])
+    assert "| m bf16, 1 | 32 (50) | 16 (20) | — | 2.00× | — |" in unquantized
