@@ -2,8 +2,9 @@
 through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight variants; and
 `cpu_gemm_int8` / `cpu_gemm_int4`, the same maths for many rows: on the kernel's tile path (each
 64-output block dequantized to bf16 once and multiplied with every row on AMX; bf16 activations on
-a CPU with AMX BF16), on CPUs with AVX2 but no AVX-512 its dequantize-once path (a block's chunk
-dequantized to float32 in L1 once per call and multiplied with every row), else the GEMV's loops;
+a CPU with AMX BF16), on CPUs with AVX2 but no AVX-512, from 8 rows, its widen-once path (a
+block's chunk widened in L1 once per 64 rows, to int16 for bf16 / fp16 x or dequantized to float32
+for float32 x, and multiplied with every row), else the GEMV's loops;
 from DEQUANTIZE_ROWS rows, the whole weight dequantized once and torch's GEMM instead of the kernel.
 
 Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
@@ -127,8 +128,9 @@ def tiles_available() -> bool:
 
 
 def many_rows_path_available() -> bool:
-    """Whether the many-rows ops take the AVX2 dequantize-once path here: AVX2 is this CPU's best
-    path (CPUs with AVX-512 take the tiles, the AVX-512 widen-once path or the GEMV's loops there)."""
+    """Whether the many-rows ops take the AVX2 widen-once path here (from 8 rows): AVX2 is this CPU's
+    best path (CPUs with AVX-512 take the tiles, the AVX-512 widen-once path or the GEMV's loops
+    there)."""
     return best_isa() == ISA_AVX2
 
 

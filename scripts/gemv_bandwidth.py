@@ -1,7 +1,8 @@
 """How close the quantized GEMVs (kernels/cpu_gemv_quantized.cpp) and torch's int8/int4 kernels come
 to streaming memory: one decode row through the Qwen2.5-0.5B shape's LM head and MLP linears, each
 against `torch.sum` over a float32 tensor of the same bytes (the read rate torch reaches here), and
-against the GEMV's own float inner loop (float32 activations; bf16 ones take the VNNI loop).
+against the GEMV's own float inner loop (float32 activations; bf16 ones take the integer loop:
+VNNI on AVX-512, vpmaddwd on AVX2).
 
     .venv/bin/python scripts/gemv_bandwidth.py [--threads N] [--rounds R]
 
