@@ -24,7 +24,8 @@
 // 8 features a register; for bf16 / fp16 x, integer vpmaddwd loops), 0 = plain C++ loops over the
 // same layout. The caller picks the best this
 // CPU has; tests force the others. The many-rows entry points (ce_cpu_gemm_*) add the AMX tile path
-// (4) and, on AVX2, a path that dequantizes each block once per call (the AVX2 section says why).
+// (4) and, on AVX2 from 8 rows, a path that widens each block once per call (to int16 for bf16 /
+// fp16 x, dequantized to float32 otherwise; the AVX2 section says why).
 
 #include <algorithm>
 #include <cmath>
@@ -688,8 +689,8 @@ void many_rows_block_avx2(const Problem& p, int64_t block, float* sums) {
 // at most kChunkK input features of a block (within one x16 chunk: 256 inputs for int8, one group
 // for int4) widened once to int16 pairs (k, k + 1) per output (8 KB, in L1, vpunpck order as the
 // GEMV's), then kChunkRows rows x 16 outputs of int32 sums in registers, vpmaddwd + vpaddd: 16
-// multiply-adds in two instructions against the float tiles' 8 in one, which is ~1.5x the
-// multiply-adds a cycle on Zen 3 (inline-asm loops: 70 against 46 GMAC/s a core). The sums are
+// multiply-adds in two instructions against the float tiles' 8 in one (bench/test_widened_linear.py
+// -k decode_rows has it against the float path this replaced for bf16 x). The sums are
 // folded into the float ones after each chunk (int8: times the row's x16 scale, the weight scale
 // in finish_block; int4: times scale x the row's x16 scale, and offset x the group's x sum once
 // a group).
