@@ -438,21 +438,6 @@ CE_AVX2 void int4_cols_avx2(const Problem& p, int64_t block, int64_t row0, int c
   }
 }
 
-template <int R, int NF, bool kInt4>
-void block_avx2(const Problem& p, int64_t block, int64_t row0) {
-  alignas(32) float sums[R * kBlock] = {};
-  if constexpr (kInt4) {
-    for (int64_t g = 0; g < p.in_features / p.group_size; ++g)
-      for (int c0 = 0; c0 < 8; c0 += NF) int4_cols_avx2<R, NF>(p, block, row0, c0, g, sums);
-  } else {
-    for (int64_t k0 = 0; k0 < p.in_features; k0 += kGemvChunkK) {
-      const int64_t k1 = std::min(k0 + kGemvChunkK, p.in_features);
-      for (int c0 = 0; c0 < 8; c0 += NF) int8_cols_avx2<R, NF>(p, block, row0, c0, k0, k1, sums);
-    }
-  }
-  finish_block(p, block, row0, R, sums, !kInt4);
-}
-
 // The integer GEMV on AVX2 (bf16 / fp16 activations, even in_features; Problem::x16): as the VNNI
 // paths without VNNI. The weights are widened to int16 and interleaved so that each 32-bit lane
 // holds one output's pair of input features (k, k + 1); vpmaddwd multiplies that by x's pair and
@@ -573,19 +558,31 @@ CE_AVX2 void int4_cols_madd(const Problem& p, int64_t block, int64_t row0, int c
   }
 }
 
-template <int R, int NC, bool kInt4>
-void block_madd(const Problem& p, int64_t block, int64_t row0) {
-  alignas(32) float acc[R * kBlock] = {};
+// One block of R rows on AVX2: int4 a group at a time, int8 a chunk of inputs at a time, each in
+// passes over the block's columns (NF of them a pass): the float loops' columns are registers of 8
+// outputs, in chunks of kGemvChunkK inputs; the integer loops' (kInteger) groups of 16, in x16
+// chunks.
+template <int R, int NF, bool kInt4, bool kInteger>
+void block_avx2(const Problem& p, int64_t block, int64_t row0) {
+  constexpr int kColumns = kInteger ? 4 : 8;
+  constexpr int64_t kChunk = kInteger ? kX16Chunk : kGemvChunkK;
+  alignas(32) float sums[R * kBlock] = {};
   if constexpr (kInt4) {
     for (int64_t g = 0; g < p.in_features / p.group_size; ++g)
-      for (int c0 = 0; c0 < 4; c0 += NC) int4_cols_madd<R, NC>(p, block, row0, c0, g, acc);
+      for (int c0 = 0; c0 < kColumns; c0 += NF) {
+        if constexpr (kInteger) int4_cols_madd<R, NF>(p, block, row0, c0, g, sums);
+        else int4_cols_avx2<R, NF>(p, block, row0, c0, g, sums);
+      }
   } else {
-    for (int64_t k0 = 0; k0 < p.in_features; k0 += kX16Chunk) {
-      const int64_t k1 = std::min(k0 + kX16Chunk, p.in_features);
-      for (int c0 = 0; c0 < 4; c0 += NC) int8_cols_madd<R, NC>(p, block, row0, c0, k0, k1, acc);
+    for (int64_t k0 = 0; k0 < p.in_features; k0 += kChunk) {
+      const int64_t k1 = std::min(k0 + kChunk, p.in_features);
+      for (int c0 = 0; c0 < kColumns; c0 += NF) {
+        if constexpr (kInteger) int8_cols_madd<R, NF>(p, block, row0, c0, k0, k1, sums);
+        else int8_cols_avx2<R, NF>(p, block, row0, c0, k0, k1, sums);
+      }
     }
   }
-  finish_block(p, block, row0, R, acc, !kInt4);
+  finish_block(p, block, row0, R, sums, !kInt4);
 }
 
 // Many rows (ce_cpu_gemm_* on AVX2, where there are no tiles): past a few rows the GEMV's cost is
@@ -1339,18 +1336,18 @@ void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa
 #if defined(__x86_64__)
   if (isa == 1 && p.x16 != nullptr) {
     switch (nrows) {
-      case 1: return block_madd<1, 4, kInt4>(p, block, row0);
-      case 2: return block_madd<2, 2, kInt4>(p, block, row0);
-      case 3: return block_madd<3, 1, kInt4>(p, block, row0);
-      default: return block_madd<4, 1, kInt4>(p, block, row0);
+      case 1: return block_avx2<1, 4, kInt4, true>(p, block, row0);
+      case 2: return block_avx2<2, 2, kInt4, true>(p, block, row0);
+      case 3: return block_avx2<3, 1, kInt4, true>(p, block, row0);
+      default: return block_avx2<4, 1, kInt4, true>(p, block, row0);
     }
   }
   if (isa == 1) {
     switch (nrows) {
-      case 1: return block_avx2<1, 8, kInt4>(p, block, row0);
-      case 2: return block_avx2<2, 4, kInt4>(p, block, row0);
-      case 3: return block_avx2<3, 4, kInt4>(p, block, row0);
-      default: return block_avx2<4, 2, kInt4>(p, block, row0);
+      case 1: return block_avx2<1, 8, kInt4, false>(p, block, row0);
+      case 2: return block_avx2<2, 4, kInt4, false>(p, block, row0);
+      case 3: return block_avx2<3, 4, kInt4, false>(p, block, row0);
+      default: return block_avx2<4, 2, kInt4, false>(p, block, row0);
     }
   }
   if (isa >= 2) {
