@@ -29,7 +29,12 @@ ISAS = [isa for isa in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512) if isa <= best_isa()
 INT8_SHAPES = [
     (1, 33, 70), (2, 129, 200), (3, 7, 5), (5, 515, 131), (1, 600, 70), (2, 512, 131), (7, 66, 200)
 ]  # fmt: skip
-INT4_SHAPES = [(1, 64, 70, 32), (2, 256, 131, 64), (5, 128, 5, 32), (4, 256, 64, 256), (3, 896, 200, 128)]
+# (3, 896, 200, 128): the integer loops at a group of 128; (1, 8192, 70, 8192): a group past
+# kMaxX16Group (4096), where int32 sums of int16 x could overflow, so the float loops run it.
+INT4_SHAPES = [
+    (1, 64, 70, 32), (2, 256, 131, 64), (5, 128, 5, 32), (4, 256, 64, 256), (3, 896, 200, 128),
+    (1, 8192, 70, 8192),
+]  # fmt: skip
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, expected: torch.Tensor) -> None:
