@@ -3,7 +3,8 @@
 // Built at run time by kernels/cpu_attention_build.py (g++ -O3 -march=native -fopenmp) and called
 // through ctypes by kernels/cpu_attention.py, which documents the contract. Plain C++ loops that
 // the compiler vectorises for whatever ISA the machine has, and SIMD block loops (block_scores,
-// block_values below) for head dims of 16s with AVX-512 (VNNI for int8 keys), or of 8s with AVX2.
+// block_values below) for head dims of 16s with AVX-512 (VNNI for int8 keys), or of 8s with AVX2
+// (vpmaddwd for int8 keys at head dims of 16s).
 //
 // The cache holds the query's dtype, or quantized rows (kernels/kv_quant.py): int8 or fp8 e4m3
 // codes, then the row's float32 scale. Reading one costs a code widened to float per element and
@@ -366,6 +367,74 @@ void block_scores(const float* q, int64_t group, const C* first_row, int64_t str
       if constexpr (kQuantized) s = v_mul(s, v_load(key_scale));
       v_store_first(scores + g * bs + j0, s, m);
     }
+  }
+}
+#endif
+
+#if defined(CE_ATTENTION_AVX2)
+// int8 keys against a bf16 / fp16 query on AVX2, in integer maths with vpmaddwd: the query rounded
+// to 16 bits per head as above (q16 = round(q / qscale), qscale = max|q| / 32767), each key's codes
+// widened to int16 once for all of the group's query vectors, two products summed into each of 8
+// int32 lanes an instruction. The float loop (block_scores) widened every code to float in two
+// instructions per 8 and spent an FMA per 8 codes and query vector; this spends one widening per 16
+// codes and a multiply-add and an add per 16 codes and query vector. Each lane's sum is exact in
+// int32 (|sum| <= 2 * 32767 * 127 * kHeadDim / 16) and converted to float before the same
+// transpose-add tree.
+
+// One query head's q16 at dst (kHeadDim int16) and its scale; q is float [kHeadDim]. A query with
+// a NaN or an infinity gets zeros and a NaN scale: its scores, weights and output are NaN, as the
+// reference gives.
+template <int kHeadDim>
+inline void quantize_query_int16(const float* q, int16_t* dst, float* qscale) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int d = 0; d < kHeadDim; ++d) {
+    amax = std::max(amax, std::fabs(q[d]));
+    finite = finite && std::isfinite(q[d]);
+  }
+  if (!finite) {
+    std::memset(dst, 0, sizeof(int16_t) * kHeadDim);
+    *qscale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+  const float inv = 1.0f / scale;
+  for (int d = 0; d < kHeadDim; ++d) dst[d] = static_cast<int16_t>(std::nearbyint(q[d] * inv));
+  *qscale = scale;
+}
+
+// scores[g * bs + j] = q_g . row_j * row_j's scale for j < n, g < group (q16: quantize_query_int16's,
+// kHeadDim int16 a head).
+template <int kHeadDim>
+void block_scores_madd(const int16_t* q16, const float* qscale, int64_t group, const int8_t* first_row,
+                       int64_t stride_slot, int64_t n, int64_t scale_offset, float* scores, int64_t bs) {
+  constexpr int kChunks = kHeadDim / 16;
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - j0);
+    Vec part[kFastGroup][kLanes];
+    alignas(32) float key_scale[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j >= m) {
+        for (int64_t g = 0; g < group; ++g) part[g][j] = v_zero();
+        key_scale[j] = 0.0f;
+        continue;
+      }
+      const int8_t* row = first_row + (j0 + j) * stride_slot;
+      __m256i k[kChunks];
+      for (int c = 0; c < kChunks; ++c)
+        k[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+      for (int64_t g = 0; g < group; ++g) {
+        const int16_t* qg = q16 + g * kHeadDim;
+        __m256i sum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg)), k[0]);
+        for (int c = 1; c < kChunks; ++c)
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 16 * c)), k[c]));
+        part[g][j] = _mm256_cvtepi32_ps(sum);
+      }
+      key_scale[j] = row_scale(row, scale_offset);
+    }
+    const Vec ks = v_load(key_scale);
+    for (int64_t g = 0; g < group; ++g)
+      v_store_first(scores + g * bs + j0, v_mul(v_mul(reduce_lanes(part[g]), ks), v_set1(qscale[g])), m);
   }
 }
 #endif
@@ -780,6 +849,12 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
   float* qscale = row_sum + heads;
   int32_t* qcorrection = reinterpret_cast<int32_t*>(qscale + heads);
   int8_t* qbytes = reinterpret_cast<int8_t*>(qcorrection + heads);
+#if defined(CE_ATTENTION_AVX2)
+  // int8 keys with a bf16 / fp16 query on AVX2 (block_scores_madd): the query in int16 at qbytes.
+  constexpr bool kMadd = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
+                         kHeadDim % 16 == 0 && kHeadDim <= 256;
+  int16_t* q16 = reinterpret_cast<int16_t*>(qbytes);
+#endif
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
   constexpr bool kVnni = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
                          kHeadDim % 64 == 0 && kHeadDim <= 128;
@@ -819,6 +894,11 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
   if constexpr (kVnni) {
     for (int64_t i = 0; i < heads; ++i)
       quantize_query_vnni<kHeadDim>(q + i * D, qbytes + i * kInt8QueryBytes * D, qcorrection + i, qscale + i);
+  }
+#endif
+#if defined(CE_ATTENTION_AVX2)
+  if constexpr (kMadd) {
+    for (int64_t i = 0; i < heads; ++i) quantize_query_int16<kHeadDim>(q + i * D, q16 + i * D, qscale + i);
   }
 #endif
 
@@ -876,6 +956,13 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
           }
           for (int64_t h = head_begin; h < head_end; ++h) {
             const int64_t i0 = (h - head_begin) * qgroup;
+#if defined(CE_ATTENTION_AVX2)
+            if constexpr (kMadd) {
+              block_scores_madd<kHeadDim>(q16 + i0 * D, qscale + i0, qgroup, keys + first_slot + h * pb.stride_head,
+                                          pb.stride_slot, m, pb.scale_offset, scores + i0 * sbs + n, sbs);
+              continue;
+            }
+#endif
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
             if constexpr (kVnni) {
               block_scores_vnni<kHeadDim>(qbytes + i0 * kInt8QueryBytes * D, qcorrection + i0, qscale + i0, qgroup,
