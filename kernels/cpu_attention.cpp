@@ -373,7 +373,8 @@ void block_scores(const float* q, int64_t group, const C* first_row, int64_t str
 
 #if defined(CE_ATTENTION_AVX2)
 // int8 keys against a bf16 / fp16 query on AVX2, in integer maths with vpmaddwd: the query rounded
-// to 16 bits per head as above (q16 = round(q / qscale), qscale = max|q| / 32767), each key's codes
+// to 16 bits per head as the VNNI path below does (q16 = round(q / qscale), qscale = max|q| / 32767,
+// as fine as the bf16 / fp16 query it came from), each key's codes
 // widened to int16 once for all of the group's query vectors, two products summed into each of 8
 // int32 lanes an instruction. The float loop (block_scores) widened every code to float in two
 // instructions per 8 and spent an FMA per 8 codes and query vector; this spends one widening per 16
