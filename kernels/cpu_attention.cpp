@@ -371,6 +371,22 @@ void block_scores(const float* q, int64_t group, const C* first_row, int64_t str
 }
 #endif
 
+// The scale of a query head's 16-bit form for the integer key loops (AVX2's block_scores_madd,
+// AVX-512's block_scores_vnni): q16 = round(q / scale) with scale = max|q| / 32767. NaN where q
+// holds a NaN or an infinity (no 16-bit form): every score, weight and output of that query is then
+// NaN, as the reference gives.
+template <int kHeadDim>
+inline float query_int16_scale(const float* q) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int d = 0; d < kHeadDim; ++d) {
+    amax = std::max(amax, std::fabs(q[d]));
+    finite = finite && std::isfinite(q[d]);
+  }
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  return amax > 0.0f ? amax / 32767.0f : 1.0f;
+}
+
 #if defined(CE_ATTENTION_AVX2)
 // int8 keys against a bf16 / fp16 query on AVX2, in integer maths with vpmaddwd: the query rounded
 // to 16 bits per head as the VNNI path below does (q16 = round(q / qscale), qscale = max|q| / 32767,
@@ -382,26 +398,18 @@ void block_scores(const float* q, int64_t group, const C* first_row, int64_t str
 // int32 (|sum| <= 2 * 32767 * 127 * kHeadDim / 16) and converted to float before the same
 // transpose-add tree.
 
-// One query head's q16 at dst (kHeadDim int16) and its scale; q is float [kHeadDim]. A query with
-// a NaN or an infinity gets zeros and a NaN scale: its scores, weights and output are NaN, as the
-// reference gives.
+// One query head's q16 at dst (kHeadDim int16) and its scale (query_int16_scale's); q is float
+// [kHeadDim]. A non-finite query gets zeros and the NaN scale.
 template <int kHeadDim>
 inline void quantize_query_int16(const float* q, int16_t* dst, float* qscale) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int d = 0; d < kHeadDim; ++d) {
-    amax = std::max(amax, std::fabs(q[d]));
-    finite = finite && std::isfinite(q[d]);
-  }
-  if (!finite) {
+  const float scale = query_int16_scale<kHeadDim>(q);
+  *qscale = scale;
+  if (std::isnan(scale)) {
     std::memset(dst, 0, sizeof(int16_t) * kHeadDim);
-    *qscale = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
   const float inv = 1.0f / scale;
   for (int d = 0; d < kHeadDim; ++d) dst[d] = static_cast<int16_t>(std::nearbyint(q[d] * inv));
-  *qscale = scale;
 }
 
 // scores[g * bs + j] = q_g . row_j * row_j's scale for j < n, g < group (q16: quantize_query_int16's,
@@ -462,19 +470,13 @@ constexpr int kInt8QueryBytes = 4;  // per head dim value: qhi and qlo, each sto
 // infinity gets a NaN scale, so its scores, weights and output are NaN, as the reference gives.
 template <int kHeadDim>
 inline void quantize_query_vnni(const float* q, int8_t* dst, int32_t* correction, float* qscale) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int d = 0; d < kHeadDim; ++d) {
-    amax = std::max(amax, std::fabs(q[d]));
-    finite = finite && std::isfinite(q[d]);
-  }
-  if (!finite) {  // no 16-bit form: zero bytes and a NaN scale make every score NaN, as in float maths
+  const float scale = query_int16_scale<kHeadDim>(q);
+  if (std::isnan(scale)) {  // no 16-bit form: zero bytes and the NaN scale
     std::memset(dst, 0, kInt8QueryBytes * kHeadDim);
     *correction = 0;
-    *qscale = std::numeric_limits<float>::quiet_NaN();
+    *qscale = scale;
     return;
   }
-  const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
   const float inv = 1.0f / scale;
   int8_t* hi = dst;
   uint8_t* lo = reinterpret_cast<uint8_t*>(dst + 2 * kHeadDim);
