@@ -137,8 +137,9 @@ def test_quantized_prompt_rows_widened(benchmark, request, scheme):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_decode_rows_against_bf16(benchmark, request, scheme, rows):
     """#21's "16 and 64 requests no slower than bf16" on a CPU without bf16 GEMMs: the int8 / int4
-    ops as the graphs call them (here their many-rows AVX2 path: each chunk of a block dequantized
-    once, rows in register tiles) against bf16's fastest forms on the same weights, the C++ GEMV
+    ops as the graphs call them (here their many-rows AVX2 path: each chunk of a block widened once,
+    to int16 pairs for these bf16 rows, rows in register tiles) against bf16's fastest forms on the
+    same weights, the C++ GEMV
     (its register tiles) and the widened GEMM, the 0.5B shape's layer, interleaved."""
     if not cpu_gemv_available(torch.bfloat16):
         pytest.skip("no C++ compiler: neither the quantized ops' kernel nor the bf16 GEMV runs")

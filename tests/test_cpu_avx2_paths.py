@@ -1,11 +1,11 @@
 """The CPU kernels' AVX2 paths, each forced, against the float32 reference: the float GEMV
 (kernels/cpu_gemv.py: float32, bf16 widened by shifts, fp16 through F16C), the int8/int4 GEMV (its
 float loops, and for bf16 / fp16 x its vpmaddwd integer ones) and the many-rows ops' AVX2
-dequantize-once path (kernels/cpu_gemv_quantized.py), at 1, 3, 16 and 64
+widen-once path (kernels/cpu_gemv_quantized.py), at 1, 3, 16 and 64
 rows (past the kernels' 4 rows per pass and their 64-row slab), odd sizes and strided inputs.
 
 On a CPU with AVX-512 the many-rows ops keep their own paths, so there `cpu_gemm_*` forced to AVX2
-runs the AVX2 GEMV; the dequantize-once path itself is checked where it is this CPU's (AVX2-only)."""
+runs the AVX2 GEMV; the widen-once path itself is checked where it is this CPU's (AVX2-only)."""
 
 from __future__ import annotations
 
