@@ -25,7 +25,8 @@
 // same layout. The caller picks the best this
 // CPU has; tests force the others. The many-rows entry points (ce_cpu_gemm_*) add the AMX tile path
 // (4) and, on AVX2 from 8 rows, a path that widens each block once per call (to int16 for bf16 /
-// fp16 x, dequantized to float32 otherwise; the AVX2 section says why).
+// fp16 x, dequantized to float32 otherwise; the AVX2 section says why), int4's with x rounded to
+// int8 per 32 inputs for bf16 / fp16 x (many_rows_block_quads).
 
 #include <algorithm>
 #include <cmath>
@@ -100,6 +101,10 @@ struct Problem {
   // offsets' 8: int4 at group 32 then streams 0.625 bytes a weight, not 0.75); the others read
   // the float32 arrays.
   const uint32_t* scale_zero = nullptr;
+  // int4 many rows on AVX2 (many_rows_block_quads): x in int8 per 32 inputs, [rows, in_features],
+  // and each 32's scale, [rows, in_features / 32]; or null.
+  const int8_t* x8 = nullptr;
+  const float* x8_scales = nullptr;
 };
 
 // x in int16 (the integer paths: bf16 / fp16 activations, even in_features): x16 = round(x / s)
@@ -805,6 +810,155 @@ void many_rows_block_madd(const Problem& p, int64_t block, float* sums) {
   }
 }
 
+// int4 many rows for bf16 / fp16 x with 8-bit x (Problem::x8; group sizes a multiple of 32): the
+// prompt's linears, where the int16 tiles above are bound by their multiply-adds, not bytes. x is
+// rounded to int8 per 32 inputs of a row (s = max|x| / 127, as llama.cpp's Q8_0 activations that
+// its Q4_0 prompt multiplies), and vpmaddubsw multiplies the unsigned nibbles by it four inputs an
+// output a lane: 32 multiply-adds an instruction, summed in int16 over the 32 inputs (8 steps x 2
+// x 15 x 127 < 2^15), then widened once (vpmaddwd by ones) and folded into the float sums with the
+// group's scale x the row's x scale; the offset x the group's x sum as above. Per 32 inputs and 16
+// outputs of a row that is 16 multiply-adds and 16 adds where the int16 tiles take 32 of each. The
+// rounding costs ~1 % of a linear's largest output (bf16 rounds to ~0.4 %); tests hold it to a
+// reference that rounds x the same way.
+constexpr int64_t kQuadSteps = 8;                 // steps of 4 inputs summed in int16
+constexpr int64_t kQuadChunkK = 4 * kQuadSteps;   // 32 inputs: the unit a group must be a multiple of
+constexpr int kQuadRows = 6;
+
+// The 32 inputs [k0, k0 + 32) of a block as 8 steps x 64 outputs x 4 unsigned bytes (one output's
+// inputs k .. k + 3 a 32-bit lane, outputs in order), from packed rows k0 / 2 .. k0 / 2 + 15.
+CE_AVX2 void widen_quads_avx2(const Problem& p, int64_t block, int64_t k0, __m256i* quads) {
+  const uint8_t* w = static_cast<const uint8_t*>(p.packed) + (block * (p.in_features / 2) + k0 / 2) * kBlock;
+  const __m128i low_nibble = _mm_set1_epi8(0x0F);
+  for (int64_t t = 0; t < kQuadSteps; ++t) {
+    const uint8_t* r0 = w + 2 * t * kBlock;  // inputs k, k + 1 of 64 outputs; r0 + kBlock: k + 2, k + 3
+    _mm_prefetch(reinterpret_cast<const char*>(r0 + (kQuadChunkK / 2) * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(r0 + (kQuadChunkK / 2 + 1) * kBlock), _MM_HINT_T0);
+    char* out = reinterpret_cast<char*>(quads + 8 * t);
+    for (int c = 0; c < 4; ++c) {  // 16 outputs
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + 16 * c));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + kBlock + 16 * c));
+      const __m128i k_0 = _mm_and_si128(b0, low_nibble), k_1 = _mm_and_si128(_mm_srli_epi16(b0, 4), low_nibble);
+      const __m128i k_2 = _mm_and_si128(b1, low_nibble), k_3 = _mm_and_si128(_mm_srli_epi16(b1, 4), low_nibble);
+      const __m128i first_lo = _mm_unpacklo_epi8(k_0, k_1), first_hi = _mm_unpackhi_epi8(k_0, k_1);
+      const __m128i second_lo = _mm_unpacklo_epi8(k_2, k_3), second_hi = _mm_unpackhi_epi8(k_2, k_3);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 * c), _mm_unpacklo_epi16(first_lo, second_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 * c + 16), _mm_unpackhi_epi16(first_lo, second_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 * c + 32), _mm_unpacklo_epi16(first_hi, second_hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 * c + 48), _mm_unpackhi_epi16(first_hi, second_hi));
+    }
+  }
+}
+
+// sums[r][64] += factor[r] * scale[64] * (x8[r][0, 32) . quads) for R rows (x8 row stride
+// x_stride).
+template <int R>
+CE_AVX2 void rows_times_quads_avx2(const __m256i* quads, const int8_t* x8, int64_t x_stride, const float* factor,
+                                   const float* scale, float* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int c = 0; c < 4; ++c) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    // Not unrolled: unrolled, GCC regrouped the adds into trees and kept the products on the stack.
+#pragma GCC unroll 1
+    for (int64_t t = 0; t < kQuadSteps; ++t) {
+      const __m256i w0 = _mm256_load_si256(quads + 8 * t + 2 * c), w1 = _mm256_load_si256(quads + 8 * t + 2 * c + 1);
+      if constexpr (R == 6) {
+        // The full tile's step in asm: with intrinsics GCC hoisted the six broadcasts and kept
+        // sums on the stack (12 sums, 2 weights, a broadcast (ymm14) and a product (ymm15) are the
+        // 16 ymm).
+        const int8_t* b0 = x8 + 4 * t;
+        const int8_t* b3 = b0 + 3 * x_stride;
+        asm("vpbroadcastd (%[b0]), %%ymm14\n\t"
+            "vpmaddubsw %%ymm14, %[w0], %%ymm15\n\tvpaddw %%ymm15, %[a00], %[a00]\n\t"
+            "vpmaddubsw %%ymm14, %[w1], %%ymm15\n\tvpaddw %%ymm15, %[a01], %[a01]\n\t"
+            "vpbroadcastd (%[b0],%[s]), %%ymm14\n\t"
+            "vpmaddubsw %%ymm14, %[w0], %%ymm15\n\tvpaddw %%ymm15, %[a10], %[a10]\n\t"
+            "vpmaddubsw %%ymm14, %[w1], %%ymm15\n\tvpaddw %%ymm15, %[a11], %[a11]\n\t"
+            "vpbroadcastd (%[b0],%[s],2), %%ymm14\n\t"
+            "vpmaddubsw %%ymm14, %[w0], %%ymm15\n\tvpaddw %%ymm15, %[a20], %[a20]\n\t"
+            "vpmaddubsw %%ymm14, %[w1], %%ymm15\n\tvpaddw %%ymm15, %[a21], %[a21]\n\t"
+            "vpbroadcastd (%[b3]), %%ymm14\n\t"
+            "vpmaddubsw %%ymm14, %[w0], %%ymm15\n\tvpaddw %%ymm15, %[a30], %[a30]\n\t"
+            "vpmaddubsw %%ymm14, %[w1], %%ymm15\n\tvpaddw %%ymm15, %[a31], %[a31]\n\t"
+            "vpbroadcastd (%[b3],%[s]), %%ymm14\n\t"
+            "vpmaddubsw %%ymm14, %[w0], %%ymm15\n\tvpaddw %%ymm15, %[a40], %[a40]\n\t"
+            "vpmaddubsw %%ymm14, %[w1], %%ymm15\n\tvpaddw %%ymm15, %[a41], %[a41]\n\t"
+            "vpbroadcastd (%[b3],%[s],2), %%ymm14\n\t"
+            "vpmaddubsw %%ymm14, %[w0], %%ymm15\n\tvpaddw %%ymm15, %[a50], %[a50]\n\t"
+            "vpmaddubsw %%ymm14, %[w1], %%ymm15\n\tvpaddw %%ymm15, %[a51], %[a51]"
+            : [a00] "+x"(acc[0][0]), [a01] "+x"(acc[0][1]), [a10] "+x"(acc[1][0]), [a11] "+x"(acc[1][1]),
+              [a20] "+x"(acc[2][0]), [a21] "+x"(acc[2][1]), [a30] "+x"(acc[3][0]), [a31] "+x"(acc[3][1]),
+              [a40] "+x"(acc[4][0]), [a41] "+x"(acc[4][1]), [a50] "+x"(acc[5][0]), [a51] "+x"(acc[5][1])
+            : [w0] "x"(w0), [w1] "x"(w1), [b0] "r"(b0), [b3] "r"(b3), [s] "r"(x_stride)
+            : "ymm14", "ymm15", "memory");
+        continue;
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, x8 + r * x_stride + 4 * t, sizeof quad);
+        const __m256i xv = _mm256_set1_epi32(quad);
+        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xv));
+        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xv));
+      }
+    }
+    const __m256 scale0 = _mm256_load_ps(scale + 16 * c), scale1 = _mm256_load_ps(scale + 16 * c + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 f = _mm256_set1_ps(factor[r]);
+      float* out = sums + r * kBlock + 16 * c;
+      const __m256 first = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][0], ones));
+      const __m256 second = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][1], ones));
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(first, _mm256_mul_ps(scale0, f), _mm256_loadu_ps(out)));
+      _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(second, _mm256_mul_ps(scale1, f), _mm256_loadu_ps(out + 8)));
+    }
+  }
+}
+
+// One block, all rows, int4 with Problem::x8; `sums` holds kSlabRows * 64 floats.
+void many_rows_block_quads(const Problem& p, int64_t block, float* sums) {
+  alignas(32) __m256i quads[kQuadSteps * 8];
+  alignas(32) float scale[kBlock], offset[kBlock];
+  const int64_t k_count = p.in_features;
+  const int64_t groups = k_count / p.group_size, chunks = k_count / kQuadChunkK;
+  for (int64_t slab = 0; slab < p.rows; slab += kSlabRows) {
+    const int64_t rows = std::min(kSlabRows, p.rows - slab);
+    std::fill(sums, sums + rows * kBlock, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int j = 0; j < 8; ++j) {  // the group's scales and offsets; offset x the group's x sum
+        __m256 sc, off;
+        group_scale_offset8(p, (block * groups + g) * kBlock + 8 * j, sc, off);
+        _mm256_store_ps(scale + 8 * j, sc);
+        _mm256_store_ps(offset + 8 * j, off);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256 x_sum = _mm256_set1_ps(p.x_sums[(slab + r) * groups + g]);
+        for (int j = 0; j < 8; ++j) {
+          float* out = sums + r * kBlock + 8 * j;
+          _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_load_ps(offset + 8 * j), x_sum, _mm256_loadu_ps(out)));
+        }
+      }
+      for (int64_t k0 = g * p.group_size; k0 < (g + 1) * p.group_size; k0 += kQuadChunkK) {
+        float factor[kSlabRows];  // the rows' x scales for these 32 inputs
+        for (int64_t r = 0; r < rows; ++r) factor[r] = p.x8_scales[(slab + r) * chunks + k0 / kQuadChunkK];
+        widen_quads_avx2(p, block, k0, quads);
+        for (int64_t r = 0; r < rows; r += kQuadRows) {
+          const int8_t* x8 = p.x8 + (slab + r) * k_count + k0;
+          const float* f = factor + r;
+          float* out = sums + r * kBlock;
+          switch (std::min<int64_t>(kQuadRows, rows - r)) {
+            case 1: rows_times_quads_avx2<1>(quads, x8, k_count, f, scale, out); break;
+            case 2: rows_times_quads_avx2<2>(quads, x8, k_count, f, scale, out); break;
+            case 3: rows_times_quads_avx2<3>(quads, x8, k_count, f, scale, out); break;
+            case 4: rows_times_quads_avx2<4>(quads, x8, k_count, f, scale, out); break;
+            case 5: rows_times_quads_avx2<5>(quads, x8, k_count, f, scale, out); break;
+            default: rows_times_quads_avx2<kQuadRows>(quads, x8, k_count, f, scale, out); break;
+          }
+        }
+      }
+    }
+    finish_block(p, block, slab, static_cast<int>(rows), sums, false);
+  }
+}
+
 // ---- many rows on AVX-512 without AMX (BF16 dot products) -------------------------------------
 //
 // Past a few rows the GEMV's cost is widening the integers again for every 4 rows, and on a CPU
@@ -1331,6 +1485,85 @@ CE_AMX int run_tiles(const Problem& p, bool int4, const void* x, int64_t x_strid
 #endif
 #endif
 
+#if defined(__x86_64__)
+// 8 floats of a bf16 (dtype 1) or fp16 (2) row.
+CE_AVX2 inline __m256 load8_half(const uint16_t* p, int dtype) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (dtype == kBFloat16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  return _mm256_cvtph_ps(v);
+}
+
+CE_AVX2 inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+CE_AVX2 inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// many_rows_block_quads' operands from bf16 / fp16 rows (row stride x_stride): x8 = round(x / s) per
+// 32 inputs, s = max|x| / 127 (x8_scales, [rows, in_features / 32]), and each group's sum of x
+// (x_sums, [rows, groups]), the rows shared among the threads. Groups are a multiple of 32 inputs.
+CE_AVX2 void prepare_x8(const void* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t group_size,
+                        int dtype, int threads, int8_t* x8, float* x8_scales, float* x_sums) {
+  const int64_t groups = k_count / group_size, chunks = k_count / kQuadChunkK;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t c = g * group_size / kQuadChunkK; c < (g + 1) * group_size / kQuadChunkK; ++c) {
+        const uint16_t* in = static_cast<const uint16_t*>(x) + r * x_stride + c * kQuadChunkK;
+        __m256 v[kQuadChunkK / 8], amax = _mm256_setzero_ps();
+        for (int j = 0; j < kQuadChunkK / 8; ++j) {
+          v[j] = load8_half(in + 8 * j, dtype);
+          sum = _mm256_add_ps(sum, v[j]);
+          amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], magnitude));
+        }
+        const float m = max8(amax);
+        const float scale = m > 0.0f ? m / 127.0f : 1.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / scale);
+        int8_t* q = x8 + r * k_count + c * kQuadChunkK;
+        for (int j = 0; j < kQuadChunkK / 8; ++j) {
+          const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, ties to even
+          const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * j), _mm_packs_epi16(words, words));
+        }
+        x8_scales[r * chunks + c] = scale;
+      }
+      x_sums[r * groups + g] = sum8(sum);
+    }
+  }
+}
+
+// int4, many rows, AVX2, bf16 / fp16 x, groups a multiple of 32: x in int8 (prepare_x8), then
+// many_rows_block_quads block by block.
+int run_quads(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
+              const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
+              int64_t out_features, int dtype, int num_threads, const uint32_t* scale_zero) {
+  const int64_t groups = in_features / group_size;
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  std::vector<int8_t> x8(rows * in_features);
+  std::vector<float> x8_scales(rows * (in_features / kQuadChunkK)), x_sums(rows * groups);
+  prepare_x8(x, x_stride, rows, in_features, group_size, dtype, std::max(1, num_threads), x8.data(),
+             x8_scales.data(), x_sums.data());
+  Problem p{nullptr, x_sums.data(), nullptr, nullptr, rows, packed, scales, offsets, group_size,
+            bias, out, in_features, out_features, dtype, scale_zero, x8.data(), x8_scales.data()};
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> sums(std::min(kSlabRows, rows) * kBlock);
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) many_rows_block_quads(p, block, sums.data());
+  }
+  return 0;
+}
+#endif
+
 template <bool kInt4>
 void run_block(const Problem& p, int64_t block, int64_t row0, int nrows, int isa) {
 #if defined(__x86_64__)
@@ -1400,6 +1633,12 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   if (rows < 0 || in_features < 1 || out_features < 1 || dtype < 0 || dtype > 2) return 1;
   if (kInt4 && (group_size < 2 || group_size % 2 || in_features % group_size)) return 1;
   if (rows == 0) return 0;
+#if defined(__x86_64__)
+  if (kInt4 && many_rows && isa == 1 && rows >= kDequantizeOnceRows && dtype != kFloat32 &&
+      group_size % kQuadChunkK == 0)
+    return run_quads(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features, out_features,
+                     dtype, num_threads, scale_zero);
+#endif
   // x once as float32 (and, for int4, its per-group sums: the offsets' multiplier).
   std::vector<float> x_float(rows * in_features);
   for (int64_t r = 0; r < rows; ++r) {

@@ -4,7 +4,8 @@ through kernels/cpu_gemv_quantized.cpp, the C++ GEMV's int8 and int4 weight vari
 64-output block dequantized to bf16 once and multiplied with every row on AMX; bf16 activations on
 a CPU with AMX BF16), on CPUs with AVX2 but no AVX-512, from 8 rows, its widen-once path (a
 block's chunk widened in L1 once per 64 rows, to int16 for bf16 / fp16 x or dequantized to float32
-for float32 x, and multiplied with every row), else the GEMV's loops;
+for float32 x, and multiplied with every row; int4 with bf16 / fp16 x rounds x to int8 per 32 inputs
+there, as llama.cpp's Q4_0 prompt does), else the GEMV's loops;
 from DEQUANTIZE_ROWS rows, the whole weight dequantized once and torch's GEMM instead of the kernel.
 
 Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
@@ -60,6 +61,12 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # 64-output block, and past a few hundred rows x leaves L2 (docs/quantization.md, "How it runs").
 # kDequantizeRows in kernels/cpu_ops.cpp, which does the same in C++.
 DEQUANTIZE_ROWS = 512
+
+# On AVX2 (no AVX-512) ce_cpu_gemm_int4 multiplies bf16 / fp16 x rounded to int8, per
+# INT8_X_INPUTS inputs of a row, from INT8_X_ROWS rows, where the groups are a multiple of
+# INT8_X_INPUTS (kDequantizeOnceRows and kQuadChunkK in the .cpp; docs/quantization.md says why).
+INT8_X_ROWS = 8
+INT8_X_INPUTS = 32
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -250,6 +257,38 @@ class PackedQuantizedWeights:
 
 
 PACKED_QUANTIZED_WEIGHTS = PackedQuantizedWeights()
+
+
+def gemm_int4_rounds_x_to_int8(x: torch.Tensor, group_size: int, isa: int | None = None) -> bool:
+    """Whether `cpu_gemm_int4_linear(x, ..., group_size, isa=isa)` multiplies x rounded to int8
+    (`int8_x_reference`) rather than x: its AVX2 path for bf16 / fp16 x from INT8_X_ROWS rows."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if isa is None and rows >= DEQUANTIZE_ROWS:  # torch's GEMM over the dequantized weight
+        return False
+    if isa is not None and isa >= ISA_AMX:
+        return False
+    path = _tile_path(x, isa, gemv_path() if isa is None else min(isa, ISA_AVX512))
+    return (
+        path == ISA_AVX2
+        and x.dtype != torch.float32
+        and rows >= INT8_X_ROWS
+        and group_size % INT8_X_INPUTS == 0
+    )
+
+
+def int8_x_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What that path computes, in float32 (a reference for tests): each INT8_X_INPUTS inputs of a
+    row rounded to the nearest multiple of s = max|x| / 127 (ties to even, as the kernel's
+    prepare_x8) times the nibbles' part of the weight, q * scale, plus x itself times the
+    offsets, zero - 8 * scale: the kernel adds offset x the group's sum of x unrounded."""
+    chunks = x.float().reshape(*x.shape[:-1], -1, INT8_X_INPUTS)
+    amax = chunks.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    rounded = (torch.round(chunks * (1 / scale)) * scale).reshape(x.shape)
+    assert weight.zeros is not None and weight.group_size is not None
+    scales = weight.scales.float().repeat_interleave(weight.group_size, dim=1)
+    offsets = weight.zeros.float().repeat_interleave(weight.group_size, dim=1) - 8 * scales
+    return F.linear(rounded, dequantize(weight) - offsets) + F.linear(x.float(), offsets)
 
 
 def _checked_rows(x: torch.Tensor, in_features: int, isa: int | None) -> tuple[torch.Tensor, int]:

@@ -19,6 +19,8 @@ from compiled_engine.kernels.cpu_gemv_quantized import (
     cpu_gemm_int8_linear,
     cpu_gemv_int4_linear,
     cpu_gemv_int8_linear,
+    gemm_int4_rounds_x_to_int8,
+    int8_x_reference,
     many_rows_path_available,
 )
 from compiled_engine.kernels.weight_quantization import dequantize, quantize_int4, quantize_int8
@@ -88,7 +90,11 @@ def test_int4(dtype, rows, many_rows) -> None:
     x = _strided(rows, in_features, dtype, generator)
     linear = cpu_gemm_int4_linear if many_rows else cpu_gemv_int4_linear
     got = linear(x, q.qweight, q.scales, q.zeros, group_size, b, isa=ISA_AVX2)
-    _check(got, x, F.linear(x.float(), dequantize(q), b.float()))
+    # many rows: bf16 / fp16 x rounded to int8 per 32 inputs (int8_x_reference), in the reference too
+    rounded = many_rows and gemm_int4_rounds_x_to_int8(x, group_size, ISA_AVX2)
+    assert rounded == (many_rows and rows >= 8 and dtype != torch.float32)
+    expected = int8_x_reference(x, q) if rounded else F.linear(x.float(), dequantize(q))
+    _check(got, x, expected + b.float())
 
 
 @pytest.mark.skipif(
@@ -102,4 +108,5 @@ def test_the_many_rows_ops_default_to_the_dequantize_once_path_past_one_slab() -
     q4 = quantize_int4(torch.randn(65, 96, generator=generator).to(torch.bfloat16), 32)
     _check(cpu_gemm_int8_linear(x, q8.qweight, q8.scales), x, F.linear(x.float(), dequantize(q8)))
     got4 = cpu_gemm_int4_linear(x, q4.qweight, q4.scales, q4.zeros, 32)
-    _check(got4, x, F.linear(x.float(), dequantize(q4)))
+    assert gemm_int4_rounds_x_to_int8(x, 32)  # bf16 x in int8 per 32 inputs
+    _check(got4, x, int8_x_reference(x, q4))

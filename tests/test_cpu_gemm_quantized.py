@@ -26,6 +26,8 @@ from compiled_engine.kernels.cpu_gemv_quantized import (
     cpu_gemm_int8_linear,
     cpu_gemm_quantized_available,
     cpu_gemv_quantized_available,
+    gemm_int4_rounds_x_to_int8,
+    int8_x_reference,
     many_rows_path_available,
     tiles_available,
 )
@@ -88,7 +90,9 @@ def test_int4_matches_the_dequantized_linear(isa, rows, in_features, out_feature
     q = quantize_int4(w.to(torch.bfloat16), group_size)
     x = _strided(rows, in_features, generator)
     b = torch.randn(out_features, generator=generator).to(torch.bfloat16)
-    expected = F.linear(x.float(), dequantize(q), b.float())
+    # AVX2 from 8 rows: x rounded to int8 per 32 inputs; the reference rounds it the same way
+    rounded = gemm_int4_rounds_x_to_int8(x, group_size, isa)
+    expected = (int8_x_reference(x, q) if rounded else F.linear(x.float(), dequantize(q))) + b.float()
     _check(cpu_gemm_int4_linear(x, q.qweight, q.scales, q.zeros, group_size, b, isa=isa), x, expected)
 
 
@@ -109,11 +113,13 @@ def test_the_ops_agree_with_torchs_kernels_and_the_pass_swaps_them() -> None:
     # Both round their bf16 outputs: one bf16 step of the largest output apart at most.
     expected8 = int8_weight_linear(x, q8.qweight, q8.scales, None).float()
     _check(cpu_gemm_int8(x, q8.qweight, q8.scales, None), x, expected8)
-    _check(
-        cpu_gemm_int4(x, q4.qweight, q4.scales, q4.zeros, 32, None),
-        x,
-        int4_weight_linear(x, q4.qweight, q4.scales, q4.zeros, 32, None).float(),
+    rounded = gemm_int4_rounds_x_to_int8(x, 32)  # AVX2: x in int8 (int8_x_reference), not torch's
+    expected4 = (
+        int8_x_reference(x, q4)
+        if rounded
+        else int4_weight_linear(x, q4.qweight, q4.scales, q4.zeros, 32, None).float()
     )
+    _check(cpu_gemm_int4(x, q4.qweight, q4.scales, q4.zeros, 32, None), x, expected4)
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -126,7 +132,7 @@ def test_the_ops_agree_with_torchs_kernels_and_the_pass_swaps_them() -> None:
             return y + int4_weight_linear(x, self.q4, self.s4, self.z4, 32, None)
 
     gm = torch.fx.symbolic_trace(Model())
-    expected = gm(x)
+    expected = gm(x).float() if not rounded else expected8 + expected4
     result = CpuGemmQuantized()(gm)
     assert result.nodes_rewritten == 2
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
