@@ -6,7 +6,8 @@ a CPU with AMX BF16), on CPUs with AVX2 but no AVX-512, from 8 rows, its widen-o
 block's chunk widened in L1 once per 64 rows, to int16 for bf16 / fp16 x or dequantized to float32
 for float32 x, and multiplied with every row; int4 with bf16 / fp16 x rounds x to int8 per 32 inputs
 there, as llama.cpp's Q4_0 prompt does), else the GEMV's loops;
-from DEQUANTIZE_ROWS rows, the whole weight dequantized once and torch's GEMM instead of the kernel.
+from DEQUANTIZE_ROWS rows, the whole weight dequantized once and torch's GEMM instead of the kernel
+(except int4 on the AVX2 int8-x path, which stays faster).
 
 Same operands as torch's kernels' ops (kernels/quantized_linear.py), so a graph pass swaps one for
 the other (graphs/passes/cpu_gemv_quantized.py) in the buckets where the GEMV policy measured this
@@ -261,19 +262,20 @@ PACKED_QUANTIZED_WEIGHTS = PackedQuantizedWeights()
 
 def gemm_int4_rounds_x_to_int8(x: torch.Tensor, group_size: int, isa: int | None = None) -> bool:
     """Whether `cpu_gemm_int4_linear(x, ..., group_size, isa=isa)` multiplies x rounded to int8
-    (`int8_x_reference`) rather than x: its AVX2 path for bf16 / fp16 x from INT8_X_ROWS rows."""
+    (`int8_x_reference`) rather than x: its AVX2 path for bf16 / fp16 x from INT8_X_ROWS rows (at
+    any count: it keeps the kernel past DEQUANTIZE_ROWS too)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if isa is None and rows >= DEQUANTIZE_ROWS:  # torch's GEMM over the dequantized weight
-        return False
     if isa is not None and isa >= ISA_AMX:
         return False
     path = _tile_path(x, isa, gemv_path() if isa is None else min(isa, ISA_AVX512))
-    return (
-        path == ISA_AVX2
-        and x.dtype != torch.float32
-        and rows >= INT8_X_ROWS
-        and group_size % INT8_X_INPUTS == 0
-    )
+    return rows >= INT8_X_ROWS and _int8_x_path(path, x, group_size)
+
+
+def _int8_x_path(path: int, x: torch.Tensor, group_size: int) -> bool:
+    """The kernel's many-rows path `path` rounds x to int8 for this int4 weight: AVX2, bf16 / fp16
+    x, groups a multiple of INT8_X_INPUTS. From DEQUANTIZE_ROWS rows it still beats dequantizing
+    (~2x at 4,096 rows of the 0.5B shape's layer, docs/quantization.md), so it keeps the kernel."""
+    return path == ISA_AVX2 and x.dtype != torch.float32 and group_size % INT8_X_INPUTS == 0
 
 
 def int8_x_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -428,7 +430,7 @@ def _int4_linear(
 ) -> torch.Tensor:
     rows, path = _paths(x, 2 * qweight.shape[-1], isa, tiles)
     bias = _bias(bias, x)
-    if tiles and isa is None and rows.shape[0] >= DEQUANTIZE_ROWS:
+    if tiles and isa is None and rows.shape[0] >= DEQUANTIZE_ROWS and not _int8_x_path(path, x, group_size):
         return dense_linear(x, dequantize(QuantizedWeight(qweight, scales, zeros, group_size), x.dtype), bias)
     entry = PACKED_QUANTIZED_WEIGHTS.get(qweight, scales, zeros, group_size)
     out = torch.empty((*x.shape[:-1], entry.out_features), dtype=x.dtype)

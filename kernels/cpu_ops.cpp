@@ -299,6 +299,8 @@ int quantized_path(const at::Tensor& x, bool many_rows) {
 // dequantization, a pass over the weight, is a small part of the GEMM there. Fewer rows keep the
 // kernels (cpu_gemv_quantized.py's DEQUANTIZE_ROWS does the same).
 constexpr int64_t kDequantizeRows = 512;
+constexpr int kAvx2Path = 1;            // the kernels' `isa` for AVX2 (kernels/cpu_gemv.py's ISA_AVX2)
+constexpr int64_t kInt8XInputs = 32;    // cpu_gemv_quantized.py's INT8_X_INPUTS
 
 template <typename T>
 inline T from_float(float v) {
@@ -466,7 +468,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK_VALUE(scales.sizes() == c10::IntArrayRef(groups) && zeros.sizes() == c10::IntArrayRef(groups),
                     "cpu_gemv_int4: scales and zeros must be ", c10::IntArrayRef(groups), ", got ", scales.sizes(),
                     " and ", zeros.sizes());
-  const bool dequantize = kManyRows && x.numel() / std::max<int64_t>(in_features, 1) >= kDequantizeRows;
+  // The AVX2 path with int8 x (bf16 / fp16, groups a multiple of 32) keeps the kernel at any row
+  // count: it beats dequantizing there too (cpu_gemv_quantized.py's _int8_x_path).
+  const bool int8_x = kManyRows && quantized_path(x, true) == kAvx2Path && x.scalar_type() != at::kFloat &&
+                      group_size % kInt8XInputs == 0;
+  const bool dequantize =
+      kManyRows && !int8_x && x.numel() / std::max<int64_t>(in_features, 1) >= kDequantizeRows;
   QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize);
   if (dequantize) {
     return dequantized_linear(x, qweight, scales, &zeros, group_size, out_features, in_features, call.bias);

@@ -157,10 +157,13 @@ def test_many_rows_dequantize_once_from_the_threshold(name, dtype):
         for b in (None, bias):
             got = op(x, *weights, b)
             assert torch.equal(got, python(x, *weights, b)), (rows, b is None)
-            if rows >= threshold:
+            # int4 on AVX2's int8-x path keeps the kernel at any row count
+            kernel = name.endswith("int4") and cpu_gemv_quantized.gemm_int4_rounds_x_to_int8(x, 32)
+            if rows >= threshold and not kernel:
                 assert torch.equal(got, dense_linear(x, dequantize(q, dtype), b))
     batched = torch.randn(2, threshold // 2, 256, generator=generator).to(dtype)  # the rows of every batch
-    assert torch.equal(op(batched, *weights, None), dense_linear(batched, dequantize(q, dtype), None))
+    if not (name.endswith("int4") and cpu_gemv_quantized.gemm_int4_rounds_x_to_int8(batched, 32)):
+        assert torch.equal(op(batched, *weights, None), dense_linear(batched, dequantize(q, dtype), None))
 
 
 @pytest.mark.parametrize(
