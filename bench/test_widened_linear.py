@@ -16,8 +16,11 @@ policy never times the widened form, and this suite skips.
 
 `test_quantized_prompt_rows_widened`: the int8 / int4 ops at DEQUANTIZE_ROWS rows (a 512-token
 prompt's linears, the 0.5B shape's layer) dequantize the weight once and, where bf16 GEMMs are not
-native, run it widened; against torch's bf16 GEMM over the same dequantized weight (their path
-before), interleaved.
+native, run it widened (int4 on AVX2 keeps the kernel instead: its int8-x path); against torch's
+bf16 GEMM over the same dequantized weight (their path before), interleaved.
+
+Where the int4 op multiplies x rounded to int8 (`gemm_int4_rounds_x_to_int8`), its results are
+checked against `int8_x_reference`, the same rounding, not the plain linear.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ from compiled_engine.kernels.widened_linear import widened_linear
 
 ROWS = (16, 64, 512)
 PASSES = {"full": 11, "quick": 5, "smoke": 1}
+
+
+def _int4_reference(x: torch.Tensor, q) -> torch.Tensor:
+    """What the int4 op computes for these rows: x rounded as its path rounds it, or x."""
+    if cpu_gemv_quantized.gemm_int4_rounds_x_to_int8(x, q.group_size):
+        return cpu_gemv_quantized.int8_x_reference(x, q)
+    return F.linear(x.float(), dequantize(q))
+
 
 pytestmark = pytest.mark.skipif(
     onednn_linear_available(torch.bfloat16), reason="oneDNN runs bf16 here: the widened form is no candidate"
@@ -118,8 +129,9 @@ def test_quantized_prompt_rows_widened(benchmark, request, scheme):
     def bf16_gemm_pass() -> list[torch.Tensor]:
         return [F.linear(x, dequantize(q, torch.bfloat16)) for x, q in zip(xs, quantized, strict=True)]
 
-    for ours, theirs in zip(op_pass(), bf16_gemm_pass(), strict=True):
-        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-1)
+    for ours, theirs, x, q in zip(op_pass(), bf16_gemm_pass(), xs, quantized, strict=True):
+        expected = _int4_reference(x, q) if scheme == "int4" else theirs.float()
+        torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-1)
     benchmark.group = f"the 0.5B shape's layer linears, {scheme}, {rows} rows: op (widened) and bf16 GEMM"
     medians = interleaved_medians(benchmark, {"op": op_pass, "bf16_gemm": bf16_gemm_pass}, PASSES[profile])
     ratio = medians["op"] / medians["bf16_gemm"]
@@ -138,9 +150,9 @@ def test_quantized_prompt_rows_widened(benchmark, request, scheme):
 def test_quantized_decode_rows_against_bf16(benchmark, request, scheme, rows):
     """#21's "16 and 64 requests no slower than bf16" on a CPU without bf16 GEMMs: the int8 / int4
     ops as the graphs call them (here their many-rows AVX2 path: each chunk of a block widened once,
-    to int16 pairs for these bf16 rows, rows in register tiles) against bf16's fastest forms on the
-    same weights, the C++ GEMV
-    (its register tiles) and the widened GEMM, the 0.5B shape's layer, interleaved."""
+    to int16 pairs for these bf16 rows (int4: to bytes, x rounded to int8), rows in register tiles)
+    against bf16's fastest forms on the same weights, the C++ GEMV (its register tiles) and the
+    widened GEMM, the 0.5B shape's layer, interleaved."""
     if not cpu_gemv_available(torch.bfloat16):
         pytest.skip("no C++ compiler: neither the quantized ops' kernel nor the bf16 GEMV runs")
     profile = request.config._bench_sizes.profile
@@ -167,7 +179,8 @@ def test_quantized_decode_rows_against_bf16(benchmark, request, scheme, rows):
         return [widened_linear(x, w, None) for x, w in zip(xs, weights, strict=True)]
 
     for ours, x, q in zip(op_pass(), xs, quantized, strict=True):
-        torch.testing.assert_close(ours.float(), F.linear(x.float(), dequantize(q)), rtol=2e-2, atol=2e-1)
+        expected = _int4_reference(x, q) if scheme == "int4" else F.linear(x.float(), dequantize(q))
+        torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-1)
     benchmark.group = (
         f"the 0.5B shape's layer linears, {rows} rows: {scheme} op against bf16's C++ GEMV and widened GEMM"
     )

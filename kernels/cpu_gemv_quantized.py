@@ -274,7 +274,7 @@ def gemm_int4_rounds_x_to_int8(x: torch.Tensor, group_size: int, isa: int | None
 def _int8_x_path(path: int, x: torch.Tensor, group_size: int) -> bool:
     """The kernel's many-rows path `path` rounds x to int8 for this int4 weight: AVX2, bf16 / fp16
     x, groups a multiple of INT8_X_INPUTS. From DEQUANTIZE_ROWS rows it still beats dequantizing
-    (~2x at 4,096 rows of the 0.5B shape's layer, docs/quantization.md), so it keeps the kernel."""
+    (the 0.5B shape's layer at 512 rows: 3-5x, docs/performance.md), so it keeps the kernel."""
     return path == ISA_AVX2 and x.dtype != torch.float32 and group_size % INT8_X_INPUTS == 0
 
 
