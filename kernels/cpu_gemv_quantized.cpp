@@ -461,10 +461,15 @@ CE_AVX2 inline void ordered16(__m256i lo, __m256i hi, __m256& first, __m256& sec
   second = _mm256_permute2f128_ps(l, h, 0x31);
 }
 
+// The 4 bytes at `at` in every 32-bit lane (a pair of int16 x, or four int8 ones).
+CE_AVX2 inline __m256i broadcast_dword(const void* at) {
+  int32_t dword;
+  std::memcpy(&dword, at, sizeof dword);
+  return _mm256_set1_epi32(dword);
+}
+
 CE_AVX2 inline __m256i x16_pair(const Problem& p, int64_t row, int64_t k) {
-  int32_t pair;
-  std::memcpy(&pair, p.x16 + row * p.in_features + k, sizeof pair);
-  return _mm256_set1_epi32(pair);
+  return broadcast_dword(p.x16 + row * p.in_features + k);
 }
 
 // int8, packed[block][k][64]: inputs [k0, k1) (one x16 chunk), acc[r][16 * c0 ...] += scale * q.x.
@@ -698,6 +703,26 @@ void many_rows_block_avx2(const Problem& p, int64_t block, float* sums) {
 // a group).
 constexpr int64_t kPairsPerChunk = kChunkK / 2;
 
+// int4, group g of a block for the rows [slab, slab + rows): the group's 64 scales into `scale`,
+// and sums[r][64] += offset x the group's x sum (its dequantized weights' constant part).
+CE_AVX2 void group_offsets_avx2(const Problem& p, int64_t block, int64_t g, int64_t slab, int64_t rows, float* scale,
+                                float* sums) {
+  const int64_t groups = p.in_features / p.group_size;
+  __m256 offset[8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 sc;
+    group_scale_offset8(p, (block * groups + g) * kBlock + 8 * j, sc, offset[j]);
+    _mm256_store_ps(scale + 8 * j, sc);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 x_sum = _mm256_set1_ps(p.x_sums[(slab + r) * groups + g]);
+    for (int j = 0; j < 8; ++j) {
+      float* out = sums + r * kBlock + 8 * j;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(offset[j], x_sum, _mm256_loadu_ps(out)));
+    }
+  }
+}
+
 template <bool kInt4>
 CE_AVX2 void widen_pairs_avx2(const Problem& p, int64_t block, int64_t k0, int64_t kc, __m256i* pairs) {
   const int64_t k_count = p.in_features;
@@ -737,9 +762,7 @@ CE_AVX2 void rows_times_pairs_avx2(const __m256i* pairs, int64_t npairs, const i
     for (int64_t i = 0; i < npairs; ++i) {
       const __m256i lo = _mm256_load_si256(pairs + 8 * i + 2 * c), hi = _mm256_load_si256(pairs + 8 * i + 2 * c + 1);
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x16 + r * x_stride + 2 * i, sizeof pair);
-        const __m256i xv = _mm256_set1_epi32(pair);
+        const __m256i xv = broadcast_dword(x16 + r * x_stride + 2 * i);
         acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(lo, xv));
         acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(hi, xv));
       }
@@ -761,7 +784,7 @@ CE_AVX2 void rows_times_pairs_avx2(const __m256i* pairs, int64_t npairs, const i
 template <bool kInt4>
 void many_rows_block_madd(const Problem& p, int64_t block, float* sums) {
   alignas(32) __m256i pairs[kPairsPerChunk * 8];
-  alignas(32) float scale[kBlock], offset[kBlock];
+  alignas(32) float scale[kBlock];
   const int64_t k_count = p.in_features;
   const int64_t span = kInt4 ? p.group_size : kX16Chunk;  // the inputs one x16 scale covers
   const int64_t spans = (k_count + span - 1) / span;
@@ -770,21 +793,7 @@ void many_rows_block_madd(const Problem& p, int64_t block, float* sums) {
     std::fill(sums, sums + rows * kBlock, 0.0f);
     for (int64_t s = 0; s < spans; ++s) {
       const int64_t span_end = std::min(k_count, (s + 1) * span);
-      if constexpr (kInt4) {  // the group's scales and offsets; offset x the group's x sum
-        for (int j = 0; j < 8; ++j) {
-          __m256 sc, off;
-          group_scale_offset8(p, (block * spans + s) * kBlock + 8 * j, sc, off);
-          _mm256_store_ps(scale + 8 * j, sc);
-          _mm256_store_ps(offset + 8 * j, off);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m256 x_sum = _mm256_set1_ps(p.x_sums[(slab + r) * spans + s]);
-          for (int j = 0; j < 8; ++j) {
-            float* out = sums + r * kBlock + 8 * j;
-            _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_load_ps(offset + 8 * j), x_sum, _mm256_loadu_ps(out)));
-          }
-        }
-      }
+      if constexpr (kInt4) group_offsets_avx2(p, block, s, slab, rows, scale, sums);
       float factor[kSlabRows];
       for (int64_t r = 0; r < rows; ++r) factor[r] = p.x16_scales[(slab + r) * spans + s];
       for (int64_t k0 = s * span; k0 < span_end; k0 += kChunkK) {
@@ -894,9 +903,7 @@ CE_AVX2 void rows_times_quads_avx2(const __m256i* quads, const int8_t* x8, int64
         continue;
       }
       for (int r = 0; r < R; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, x8 + r * x_stride + 4 * t, sizeof quad);
-        const __m256i xv = _mm256_set1_epi32(quad);
+        const __m256i xv = broadcast_dword(x8 + r * x_stride + 4 * t);
         acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xv));
         acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xv));
       }
@@ -916,26 +923,14 @@ CE_AVX2 void rows_times_quads_avx2(const __m256i* quads, const int8_t* x8, int64
 // One block, all rows, int4 with Problem::x8; `sums` holds kSlabRows * 64 floats.
 void many_rows_block_quads(const Problem& p, int64_t block, float* sums) {
   alignas(32) __m256i quads[kQuadSteps * 8];
-  alignas(32) float scale[kBlock], offset[kBlock];
+  alignas(32) float scale[kBlock];
   const int64_t k_count = p.in_features;
   const int64_t groups = k_count / p.group_size, chunks = k_count / kQuadChunkK;
   for (int64_t slab = 0; slab < p.rows; slab += kSlabRows) {
     const int64_t rows = std::min(kSlabRows, p.rows - slab);
     std::fill(sums, sums + rows * kBlock, 0.0f);
     for (int64_t g = 0; g < groups; ++g) {
-      for (int j = 0; j < 8; ++j) {  // the group's scales and offsets; offset x the group's x sum
-        __m256 sc, off;
-        group_scale_offset8(p, (block * groups + g) * kBlock + 8 * j, sc, off);
-        _mm256_store_ps(scale + 8 * j, sc);
-        _mm256_store_ps(offset + 8 * j, off);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256 x_sum = _mm256_set1_ps(p.x_sums[(slab + r) * groups + g]);
-        for (int j = 0; j < 8; ++j) {
-          float* out = sums + r * kBlock + 8 * j;
-          _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_load_ps(offset + 8 * j), x_sum, _mm256_loadu_ps(out)));
-        }
-      }
+      group_offsets_avx2(p, block, g, slab, rows, scale, sums);
       for (int64_t k0 = g * p.group_size; k0 < (g + 1) * p.group_size; k0 += kQuadChunkK) {
         float factor[kSlabRows];  // the rows' x scales for these 32 inputs
         for (int64_t r = 0; r < rows; ++r) factor[r] = p.x8_scales[(slab + r) * chunks + k0 / kQuadChunkK];
@@ -1505,6 +1500,40 @@ CE_AVX2 inline float max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
+// The integer loops' operands from bf16 / fp16 rows (row stride x_stride; in_features and
+// chunk_size multiples of 8): x16 = round(x / s) per chunk_size inputs, s = max|x| / 32767
+// (x16_scales, [rows, chunks]), and for int4 (x_sums not null; chunk = group) each chunk's sum.
+// The same values as the scalar loops in `run`, which take other sizes.
+CE_AVX2 void prepare_x16(const void* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t chunk_size,
+                         int dtype, int threads, int16_t* x16, float* x16_scales, float* x_sums) {
+  const int64_t chunks = (k_count + chunk_size - 1) / chunk_size;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k0 = c * chunk_size, k1 = std::min(k_count, k0 + chunk_size);
+      const uint16_t* in = static_cast<const uint16_t*>(x) + r * x_stride;
+      __m256 sum = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 8) {
+        const __m256 v = load8_half(in + k, dtype);
+        sum = _mm256_add_ps(sum, v);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+      }
+      const float m = max8(amax);
+      const float scale = m > 0.0f ? m / 32767.0f : 1.0f;
+      const __m256 inv = _mm256_set1_ps(1.0f / scale);
+      int16_t* q = x16 + r * k_count;
+      for (int64_t k = k0; k < k1; k += 8) {
+        const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(load8_half(in + k, dtype), inv));  // nearest, ties to even
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                         _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1)));
+      }
+      x16_scales[r * chunks + c] = scale;
+      if (x_sums != nullptr) x_sums[r * chunks + c] = sum8(sum);
+    }
+  }
+}
+
 // many_rows_block_quads' operands from bf16 / fp16 rows (row stride x_stride): x8 = round(x / s) per
 // 32 inputs, s = max|x| / 127 (x8_scales, [rows, in_features / 32]), and each group's sum of x
 // (x_sums, [rows, groups]), the rows shared among the threads. Groups are a multiple of 32 inputs.
@@ -1639,17 +1668,8 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
     return run_quads(x, x_stride, rows, packed, scales, offsets, group_size, bias, out, in_features, out_features,
                      dtype, num_threads, scale_zero);
 #endif
-  // x once as float32 (and, for int4, its per-group sums: the offsets' multiplier).
-  std::vector<float> x_float(rows * in_features);
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* row = static_cast<const char*>(x) + r * x_stride * (dtype == kFloat32 ? 4 : 2);
-    for (int64_t k = 0; k < in_features; ++k) x_float[r * in_features + k] = load_any(row, k, dtype);
-  }
   const int64_t groups = kInt4 ? in_features / group_size : 0;
-  std::vector<float> x_sums(rows * groups, 0.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t k = 0; k < group_size; ++k) x_sums[r * groups + g] += x_float[r * in_features + g * group_size + k];
+  std::vector<float> x_float, x_sums(rows * groups, 0.0f);
   // The integer paths (AVX2's vpmaddwd, AVX-512's VNNI) for bf16 / fp16 activations and even
   // in_features: x in int16 per chunk (kX16Chunk); float32 activations keep the float paths'
   // exact products. AVX2's many-rows path dequantizes instead.
@@ -1661,8 +1681,32 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
 #else
   const bool integer_isa = isa == 1;
 #endif
-  if (integer_isa && dtype != kFloat32 && in_features % 2 == 0 && (!kInt4 || group_size <= kMaxX16Group)) {
-    const int64_t chunk_size = kInt4 ? group_size : kX16Chunk;  // int4: one scale per group
+  const int64_t chunk_size = kInt4 ? group_size : kX16Chunk;  // int4: one scale per group
+  if (integer_isa && dtype != kFloat32 && in_features % 8 == 0 && chunk_size % 8 == 0 &&
+      (!kInt4 || group_size <= kMaxX16Group)) {
+    // x16 straight from the bf16 / fp16 rows, vectorized (the integer loops read nothing else).
+    const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
+    x16.resize(rows * in_features);
+    x16_scales.resize(rows * chunks);
+    prepare_x16(x, x_stride, rows, in_features, chunk_size, dtype, rows >= kDequantizeOnceRows ? num_threads : 1,
+                x16.data(), x16_scales.data(), kInt4 ? x_sums.data() : nullptr);
+  }
+#endif
+  if (x16.empty()) {
+    // x once as float32 (and, for int4, its per-group sums: the offsets' multiplier).
+    x_float.resize(rows * in_features);
+    for (int64_t r = 0; r < rows; ++r) {
+      const char* row = static_cast<const char*>(x) + r * x_stride * (dtype == kFloat32 ? 4 : 2);
+      for (int64_t k = 0; k < in_features; ++k) x_float[r * in_features + k] = load_any(row, k, dtype);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k = 0; k < group_size; ++k) x_sums[r * groups + g] += x_float[r * in_features + g * group_size + k];
+  }
+#if defined(__x86_64__)
+  if (x16.empty() && integer_isa && dtype != kFloat32 && in_features % 2 == 0 &&
+      (!kInt4 || group_size <= kMaxX16Group)) {
+    // The same rounding from x_float where the sizes are not multiples of 8.
     const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
     x16.resize(rows * in_features);
     x16_scales.resize(rows * chunks);
@@ -1679,7 +1723,7 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
       }
   }
 #endif
-  Problem p{x_float.data(), x_sums.data(), x16.empty() ? nullptr : x16.data(),
+  Problem p{x_float.empty() ? nullptr : x_float.data(), x_sums.data(), x16.empty() ? nullptr : x16.data(),
             x16_scales.empty() ? nullptr : x16_scales.data(), rows, packed, scales, offsets, group_size,
             bias, out, in_features, out_features, dtype, isa >= 1 ? scale_zero : nullptr};
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
