@@ -161,6 +161,10 @@ def test_many_rows_dequantize_once_from_the_threshold(name, dtype):
             kernel = name.endswith("int4") and cpu_gemv_quantized.gemm_int4_rounds_x_to_int8(x, 32)
             if rows >= threshold and not kernel:
                 assert torch.equal(got, dense_linear(x, dequantize(q, dtype), b))
+            if kernel:  # the kernel's result, x rounded to int8 (within the output's rounding)
+                expected = cpu_gemv_quantized.int8_x_reference(x, q) + (0 if b is None else b.float())
+                error = (got.float() - expected).abs().max() / expected.abs().max()
+                assert error < 1e-2, (rows, error)
     batched = torch.randn(2, threshold // 2, 256, generator=generator).to(dtype)  # the rows of every batch
     if not (name.endswith("int4") and cpu_gemv_quantized.gemm_int4_rounds_x_to_int8(batched, 32)):
         assert torch.equal(op(batched, *weights, None), dense_linear(batched, dequantize(q, dtype), None))
