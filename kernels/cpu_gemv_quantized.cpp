@@ -1503,7 +1503,8 @@ CE_AVX2 inline float max8(__m256 v) {
 // The integer loops' operands from bf16 / fp16 rows (row stride x_stride; in_features and
 // chunk_size multiples of 8): x16 = round(x / s) per chunk_size inputs, s = max|x| / 32767
 // (x16_scales, [rows, chunks]), and for int4 (x_sums not null; chunk = group) each chunk's sum.
-// The same values as the scalar loops in `run`, which take other sizes.
+// The same x16 and scales as the scalar loops in `run`, which take other sizes (the sums are
+// added in another order).
 CE_AVX2 void prepare_x16(const void* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t chunk_size,
                          int dtype, int threads, int16_t* x16, float* x16_scales, float* x_sums) {
   const int64_t chunks = (k_count + chunk_size - 1) / chunk_size;
