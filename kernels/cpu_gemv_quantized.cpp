@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -1500,77 +1501,54 @@ CE_AVX2 inline float max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// The integer loops' operands from bf16 / fp16 rows (row stride x_stride; in_features and
-// chunk_size multiples of 8): x16 = round(x / s) per chunk_size inputs, s = max|x| / 32767
-// (x16_scales, [rows, chunks]), and for int4 (x_sums not null; chunk = group) each chunk's sum.
-// The same x16 and scales as the scalar loops in `run`, which take other sizes (the sums are
-// added in another order).
-CE_AVX2 void prepare_x16(const void* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t chunk_size,
-                         int dtype, int threads, int16_t* x16, float* x16_scales, float* x_sums) {
-  const int64_t chunks = (k_count + chunk_size - 1) / chunk_size;
+// x rounded to T per `chunk` inputs of each bf16 / fp16 row (row stride x_stride; in_features and
+// chunk multiples of 8): q = round(x / s), ties to even, s = max|x| / (T's largest value) (scales,
+// [rows, chunks]); where `sums` is not null, also the sum of x over each `sum_span` inputs (a
+// multiple of chunk; [rows, in_features / sum_span]). The rows are shared among `threads`.
+// int16 (the integer GEMV loops' x16, chunk kX16Chunk or int4's group, the group's sums): the same
+// x16 and scales as the scalar loops in `run`, which take other sizes (the sums are added in
+// another order). int8 (many_rows_block_quads' x8, chunk kQuadChunkK, int4's group sums).
+template <typename T>
+CE_AVX2 void round_rows(const void* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t chunk,
+                        int64_t sum_span, int dtype, int threads, T* q, float* scales, float* sums) {
+  static_assert(std::is_same_v<T, int8_t> || std::is_same_v<T, int16_t>);
+  constexpr float kLimit = std::is_same_v<T, int8_t> ? 127.0f : 32767.0f;
+  const int64_t chunks = (k_count + chunk - 1) / chunk;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* in = static_cast<const uint16_t*>(x) + r * x_stride;
+    __m256 span_sum = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t k0 = c * chunk_size, k1 = std::min(k_count, k0 + chunk_size);
-      const uint16_t* in = static_cast<const uint16_t*>(x) + r * x_stride;
-      __m256 sum = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+      const int64_t k0 = c * chunk, k1 = std::min(k_count, k0 + chunk);
+      __m256 amax = _mm256_setzero_ps();
       for (int64_t k = k0; k < k1; k += 8) {
         const __m256 v = load8_half(in + k, dtype);
-        sum = _mm256_add_ps(sum, v);
+        span_sum = _mm256_add_ps(span_sum, v);
         amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
       }
       const float m = max8(amax);
-      const float scale = m > 0.0f ? m / 32767.0f : 1.0f;
+      const float scale = m > 0.0f ? m / kLimit : 1.0f;
       const __m256 inv = _mm256_set1_ps(1.0f / scale);
-      int16_t* q = x16 + r * k_count;
+      T* out = q + r * k_count;
       for (int64_t k = k0; k < k1; k += 8) {
         const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(load8_half(in + k, dtype), inv));  // nearest, ties to even
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
-                         _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1)));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+        if constexpr (std::is_same_v<T, int16_t>)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), words);
+        else
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(out + k), _mm_packs_epi16(words, words));
       }
-      x16_scales[r * chunks + c] = scale;
-      if (x_sums != nullptr) x_sums[r * chunks + c] = sum8(sum);
+      scales[r * chunks + c] = scale;
+      if (sums != nullptr && k1 % sum_span == 0) {
+        sums[r * (k_count / sum_span) + k1 / sum_span - 1] = sum8(span_sum);
+        span_sum = _mm256_setzero_ps();
+      }
     }
   }
 }
 
-// many_rows_block_quads' operands from bf16 / fp16 rows (row stride x_stride): x8 = round(x / s) per
-// 32 inputs, s = max|x| / 127 (x8_scales, [rows, in_features / 32]), and each group's sum of x
-// (x_sums, [rows, groups]), the rows shared among the threads. Groups are a multiple of 32 inputs.
-CE_AVX2 void prepare_x8(const void* x, int64_t x_stride, int64_t rows, int64_t k_count, int64_t group_size,
-                        int dtype, int threads, int8_t* x8, float* x8_scales, float* x_sums) {
-  const int64_t groups = k_count / group_size, chunks = k_count / kQuadChunkK;
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t c = g * group_size / kQuadChunkK; c < (g + 1) * group_size / kQuadChunkK; ++c) {
-        const uint16_t* in = static_cast<const uint16_t*>(x) + r * x_stride + c * kQuadChunkK;
-        __m256 v[kQuadChunkK / 8], amax = _mm256_setzero_ps();
-        for (int j = 0; j < kQuadChunkK / 8; ++j) {
-          v[j] = load8_half(in + 8 * j, dtype);
-          sum = _mm256_add_ps(sum, v[j]);
-          amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], magnitude));
-        }
-        const float m = max8(amax);
-        const float scale = m > 0.0f ? m / 127.0f : 1.0f;
-        const __m256 inv = _mm256_set1_ps(1.0f / scale);
-        int8_t* q = x8 + r * k_count + c * kQuadChunkK;
-        for (int j = 0; j < kQuadChunkK / 8; ++j) {
-          const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, ties to even
-          const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * j), _mm_packs_epi16(words, words));
-        }
-        x8_scales[r * chunks + c] = scale;
-      }
-      x_sums[r * groups + g] = sum8(sum);
-    }
-  }
-}
-
-// int4, many rows, AVX2, bf16 / fp16 x, groups a multiple of 32: x in int8 (prepare_x8), then
+// int4, many rows, AVX2, bf16 / fp16 x, groups a multiple of 32: x in int8 (round_rows), then
 // many_rows_block_quads block by block.
 int run_quads(const void* x, int64_t x_stride, int64_t rows, const void* packed, const float* scales,
               const float* offsets, int64_t group_size, const void* bias, void* out, int64_t in_features,
@@ -1579,7 +1557,7 @@ int run_quads(const void* x, int64_t x_stride, int64_t rows, const void* packed,
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   std::vector<int8_t> x8(rows * in_features);
   std::vector<float> x8_scales(rows * (in_features / kQuadChunkK)), x_sums(rows * groups);
-  prepare_x8(x, x_stride, rows, in_features, group_size, dtype, std::max(1, num_threads), x8.data(),
+  round_rows(x, x_stride, rows, in_features, kQuadChunkK, group_size, dtype, std::max(1, num_threads), x8.data(),
              x8_scales.data(), x_sums.data());
   Problem p{nullptr, x_sums.data(), nullptr, nullptr, rows, packed, scales, offsets, group_size,
             bias, out, in_features, out_features, dtype, scale_zero, x8.data(), x8_scales.data()};
@@ -1672,28 +1650,37 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
   const int64_t groups = kInt4 ? in_features / group_size : 0;
   std::vector<float> x_float, x_sums(rows * groups, 0.0f);
   // The integer paths (AVX2's vpmaddwd, AVX-512's VNNI) for bf16 / fp16 activations and even
-  // in_features: x in int16 per chunk (kX16Chunk); float32 activations keep the float paths'
-  // exact products. AVX2's many-rows path dequantizes instead.
+  // in_features: x in int16 per chunk (kX16Chunk; int4: per group); float32 activations keep the
+  // float paths' exact products.
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
+  const int64_t chunk_size = kInt4 ? group_size : kX16Chunk;
+  const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
 #if defined(__x86_64__)
 #if defined(__AVX512VNNI__)
   const bool integer_isa = isa >= 1;
 #else
   const bool integer_isa = isa == 1;
 #endif
-  const int64_t chunk_size = kInt4 ? group_size : kX16Chunk;  // int4: one scale per group
-  if (integer_isa && dtype != kFloat32 && in_features % 8 == 0 && chunk_size % 8 == 0 &&
-      (!kInt4 || group_size <= kMaxX16Group)) {
-    // x16 straight from the bf16 / fp16 rows, vectorized (the integer loops read nothing else).
-    const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
+  const bool integer =
+      integer_isa && dtype != kFloat32 && in_features % 2 == 0 && (!kInt4 || group_size <= kMaxX16Group);
+#else
+  const bool integer = false;
+#endif
+  // Sizes of 8s: x16 straight from the bf16 / fp16 rows, vectorized (the integer loops read
+  // nothing else); otherwise through x as float32.
+  const bool vectorized = integer && in_features % 8 == 0 && chunk_size % 8 == 0;
+  if (integer) {
     x16.resize(rows * in_features);
     x16_scales.resize(rows * chunks);
-    prepare_x16(x, x_stride, rows, in_features, chunk_size, dtype, rows >= kDequantizeOnceRows ? num_threads : 1,
-                x16.data(), x16_scales.data(), kInt4 ? x_sums.data() : nullptr);
   }
+#if defined(__x86_64__)
+  if (vectorized)
+    round_rows(x, x_stride, rows, in_features, chunk_size, chunk_size, dtype,
+               rows >= kDequantizeOnceRows ? std::max(1, num_threads) : 1, x16.data(), x16_scales.data(),
+               kInt4 ? x_sums.data() : nullptr);
 #endif
-  if (x16.empty()) {
+  if (!vectorized) {
     // x once as float32 (and, for int4, its per-group sums: the offsets' multiplier).
     x_float.resize(rows * in_features);
     for (int64_t r = 0; r < rows; ++r) {
@@ -1704,13 +1691,7 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t k = 0; k < group_size; ++k) x_sums[r * groups + g] += x_float[r * in_features + g * group_size + k];
   }
-#if defined(__x86_64__)
-  if (x16.empty() && integer_isa && dtype != kFloat32 && in_features % 2 == 0 &&
-      (!kInt4 || group_size <= kMaxX16Group)) {
-    // The same rounding from x_float where the sizes are not multiples of 8.
-    const int64_t chunks = (in_features + chunk_size - 1) / chunk_size;
-    x16.resize(rows * in_features);
-    x16_scales.resize(rows * chunks);
+  if (integer && !vectorized) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < chunks; ++c) {
         const float* xr = x_float.data() + r * in_features;
@@ -1723,7 +1704,6 @@ int run(const void* x, int64_t x_stride, int64_t rows, const void* packed, const
         x16_scales[r * chunks + c] = scale;
       }
   }
-#endif
   Problem p{x_float.empty() ? nullptr : x_float.data(), x_sums.data(), x16.empty() ? nullptr : x16.data(),
             x16_scales.empty() ? nullptr : x16_scales.data(), rows, packed, scales, offsets, group_size,
             bias, out, in_features, out_features, dtype, isa >= 1 ? scale_zero : nullptr};

@@ -281,7 +281,7 @@ def _int8_x_path(path: int, x: torch.Tensor, group_size: int) -> bool:
 def int8_x_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What that path computes, in float32 (a reference for tests): each INT8_X_INPUTS inputs of a
     row rounded to the nearest multiple of s = max|x| / 127 (ties to even, as the kernel's
-    prepare_x8) times the nibbles' part of the weight, q * scale, plus x itself times the
+    round_rows) times the nibbles' part of the weight, q * scale, plus x itself times the
     offsets, zero - 8 * scale: the kernel adds offset x the group's sum of x unrounded."""
     chunks = x.float().reshape(*x.shape[:-1], -1, INT8_X_INPUTS)
     amax = chunks.abs().amax(dim=-1, keepdim=True)
