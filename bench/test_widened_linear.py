@@ -20,7 +20,7 @@ native, run it widened (int4 on AVX2 keeps the kernel instead: its int8-x path);
 bf16 GEMM over the same dequantized weight (their path before), interleaved.
 
 Where the int4 op multiplies x rounded to int8 (`gemm_int4_rounds_x_to_int8`), its results are
-checked against `int8_x_reference`, the same rounding, not the plain linear.
+checked against `gemm_int4_reference`, the same rounding, not the plain linear.
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ from compiled_engine.kernels.widened_linear import widened_linear
 
 ROWS = (16, 64, 512)
 PASSES = {"full": 11, "quick": 5, "smoke": 1}
-
-
-def _int4_reference(x: torch.Tensor, q) -> torch.Tensor:
-    """What the int4 op computes for these rows: x rounded as its path rounds it, or x."""
-    if cpu_gemv_quantized.gemm_int4_rounds_x_to_int8(x, q.group_size):
-        return cpu_gemv_quantized.int8_x_reference(x, q)
-    return F.linear(x.float(), dequantize(q))
 
 
 pytestmark = pytest.mark.skipif(
@@ -130,7 +123,7 @@ def test_quantized_prompt_rows_widened(benchmark, request, scheme):
         return [F.linear(x, dequantize(q, torch.bfloat16)) for x, q in zip(xs, quantized, strict=True)]
 
     for ours, theirs, x, q in zip(op_pass(), bf16_gemm_pass(), xs, quantized, strict=True):
-        expected = _int4_reference(x, q) if scheme == "int4" else theirs.float()
+        expected = cpu_gemv_quantized.gemm_int4_reference(x, q) if scheme == "int4" else theirs.float()
         torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-1)
     benchmark.group = f"the 0.5B shape's layer linears, {scheme}, {rows} rows: op (widened) and bf16 GEMM"
     medians = interleaved_medians(benchmark, {"op": op_pass, "bf16_gemm": bf16_gemm_pass}, PASSES[profile])
@@ -179,7 +172,11 @@ def test_quantized_decode_rows_against_bf16(benchmark, request, scheme, rows):
         return [widened_linear(x, w, None) for x, w in zip(xs, weights, strict=True)]
 
     for ours, x, q in zip(op_pass(), xs, quantized, strict=True):
-        expected = _int4_reference(x, q) if scheme == "int4" else F.linear(x.float(), dequantize(q))
+        expected = (
+            cpu_gemv_quantized.gemm_int4_reference(x, q)
+            if scheme == "int4"
+            else F.linear(x.float(), dequantize(q))
+        )
         torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-1)
     benchmark.group = (
         f"the 0.5B shape's layer linears, {rows} rows: {scheme} op against bf16's C++ GEMV and widened GEMM"

@@ -293,6 +293,16 @@ def int8_x_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return F.linear(rounded, dequantize(weight) - offsets) + F.linear(x.float(), offsets)
 
 
+def gemm_int4_reference(x: torch.Tensor, weight: QuantizedWeight, isa: int | None = None) -> torch.Tensor:
+    """What `cpu_gemm_int4_linear(x, ..., isa=isa)` computes without its bias, in float32 (a
+    reference for tests): `int8_x_reference` where the call rounds x to int8, else x times the
+    dequantized weight."""
+    assert weight.group_size is not None
+    if gemm_int4_rounds_x_to_int8(x, weight.group_size, isa):
+        return int8_x_reference(x, weight)
+    return F.linear(x.float(), dequantize(weight))
+
+
 def _checked_rows(x: torch.Tensor, in_features: int, isa: int | None) -> tuple[torch.Tensor, int]:
     if x.device.type != "cpu":
         # Registered as CompositeExplicitAutograd (for every device key): the kernel reads host memory.

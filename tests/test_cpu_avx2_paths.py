@@ -19,6 +19,7 @@ from compiled_engine.kernels.cpu_gemv_quantized import (
     cpu_gemm_int8_linear,
     cpu_gemv_int4_linear,
     cpu_gemv_int8_linear,
+    gemm_int4_reference,
     gemm_int4_rounds_x_to_int8,
     int8_x_reference,
     many_rows_path_available,
@@ -93,7 +94,7 @@ def test_int4(dtype, rows, many_rows) -> None:
     # many rows: bf16 / fp16 x rounded to int8 per 32 inputs (int8_x_reference), in the reference too
     rounded = many_rows and gemm_int4_rounds_x_to_int8(x, group_size, ISA_AVX2)
     assert rounded == (many_rows and rows >= 8 and dtype != torch.float32)
-    expected = int8_x_reference(x, q) if rounded else F.linear(x.float(), dequantize(q))
+    expected = gemm_int4_reference(x, q, ISA_AVX2) if many_rows else F.linear(x.float(), dequantize(q))
     _check(got, x, expected + b.float())
 
 

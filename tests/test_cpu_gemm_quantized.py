@@ -26,6 +26,7 @@ from compiled_engine.kernels.cpu_gemv_quantized import (
     cpu_gemm_int8_linear,
     cpu_gemm_quantized_available,
     cpu_gemv_quantized_available,
+    gemm_int4_reference,
     gemm_int4_rounds_x_to_int8,
     int8_x_reference,
     many_rows_path_available,
@@ -91,8 +92,7 @@ def test_int4_matches_the_dequantized_linear(isa, rows, in_features, out_feature
     x = _strided(rows, in_features, generator)
     b = torch.randn(out_features, generator=generator).to(torch.bfloat16)
     # AVX2 from 8 rows: x rounded to int8 per 32 inputs; the reference rounds it the same way
-    rounded = gemm_int4_rounds_x_to_int8(x, group_size, isa)
-    expected = (int8_x_reference(x, q) if rounded else F.linear(x.float(), dequantize(q))) + b.float()
+    expected = gemm_int4_reference(x, q, isa) + b.float()
     _check(cpu_gemm_int4_linear(x, q.qweight, q.scales, q.zeros, group_size, b, isa=isa), x, expected)
 
 
