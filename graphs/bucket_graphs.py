@@ -48,12 +48,25 @@ class BucketGraphs:
             raise RuntimeError(f"buckets {self.captured_buckets} are already captured")
         pool = self.runtime.new_graph_pool()
         for bucket in sorted(self.buckets, reverse=True):
-            fn = make_fn(bucket)
-            started = time.perf_counter()
-            graph = self.runtime.capture(fn, pool)
-            self.capture_seconds[bucket] = time.perf_counter() - started
-            self.graph_memory[bucket] = graph.memory_bytes
-            self._graphs[bucket] = graph
+            self._capture(bucket, make_fn(bucket), pool)
+
+    def capture(self, bucket: int, fn: StepFn) -> None:
+        """Capture one more bucket, outside any pool: a runtime whose captures hold no pooled
+        memory (`captures_on_demand`, the CPU's) captures a bucket when a step first needs it."""
+        if not self.runtime.captures_on_demand:
+            raise RuntimeError(f"the {self.runtime.kind} runtime captures its graphs together (capture_all)")
+        if bucket not in self.buckets:
+            raise LookupError(f"{bucket} is not one of the graph buckets {self.buckets}")
+        if bucket in self._graphs:
+            raise RuntimeError(f"bucket {bucket} is already captured")
+        self._capture(bucket, fn, None)
+
+    def _capture(self, bucket: int, fn: StepFn, pool: object) -> None:
+        started = time.perf_counter()
+        graph = self.runtime.capture(fn, pool)
+        self.capture_seconds[bucket] = time.perf_counter() - started
+        self.graph_memory[bucket] = graph.memory_bytes
+        self._graphs[bucket] = graph
 
     @property
     def captured_buckets(self) -> tuple[int, ...]:
@@ -74,6 +87,6 @@ class BucketGraphs:
         graph = self._graphs.get(bucket)
         if graph is None:
             if bucket in self.buckets:
-                raise LookupError(f"bucket {bucket} is not captured yet: call capture_all() first")
+                raise LookupError(f"bucket {bucket} is not captured yet: call capture_all() or capture()")
             raise LookupError(f"{bucket} is not one of the graph buckets {self.buckets}")
         return graph.replay()

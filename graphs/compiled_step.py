@@ -191,8 +191,10 @@ class CompiledStep:
             convention = self._trace().convention
         self.convention = convention
         self._build_args = convention.bind(model)
-        # Captured decode graphs, once capture_graphs() ran (graphs/decode_graphs.py).
+        # Captured decode graphs, once capture_graphs() ran, or (CPU) each when a decode step first
+        # finds its bucket compiled (graphs/decode_graphs.py).
         self.decode_graphs = DecodeGraphs(self.runtime, buffers, self.buckets, self.max_num_seqs)
+        self.decode_graphs.capture_on_demand(self._artifacts.get, self.step_args)
         self.last_call: GraphCall | None = None  # how the latest step ran
         self.background: BackgroundBuilds | None = None
         if self.store is not None:
@@ -301,7 +303,8 @@ class CompiledStep:
         return self._build_args(inputs, self.kv_caches)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
-        replayed = self.decode_graphs.run(inputs)
+        with self._sharing_cores():
+            replayed = self.decode_graphs.run(inputs)
         num_tokens = inputs.slot_mapping.shape[0]
         num_logits = inputs.logits_indices.shape[0]
         if replayed is not None:

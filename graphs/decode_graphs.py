@@ -13,9 +13,13 @@ are built once, at capture, from views of the buffers at the bucket's shape and 
 block table the buffers hold (a graph cannot change its width per step; the paged-attention
 op masks every column past a sequence's length, so the stale tail is never read).
 
-On CUDA that is a real CUDA graph per bucket in one shared pool; on CPU the runtime's
-"capture" is the compiled callable itself (graphs/device.py), which makes the same control
-flow — capture order, in-place buffer updates, replay, dispatch — run in CI.
+On CUDA that is a real CUDA graph per bucket in one shared pool, all captured at start-up
+(`capture`). On CPU a capture records the compiled callable's calls into a plan replayed from
+C++ (graphs/cpu_step_plan.py), and costs no compile, so once `capture_on_demand` is set a
+decode step captures its bucket itself the first time it finds the bucket's graph compiled
+(`ready(bucket)`), up to CPU_ON_DEMAND_MAX_TOKENS tokens: a plan holds every intermediate of its
+step for good (~0.65 MB a token for the 24-layer 0.5B shape), and past a few rows the Python
+wrapper it saves is a small part of the step.
 """
 
 from __future__ import annotations
@@ -28,12 +32,17 @@ import torch
 from compiled_engine.graphs.bucket_graphs import BucketGraphs
 from compiled_engine.graphs.buckets import bucket_for, bucket_shape, pad_step
 from compiled_engine.graphs.device import DeviceRuntime, StepFn
-from compiled_engine.graphs.step_inputs import StepInputs
+from compiled_engine.graphs.step_inputs import StepInputs, front_of
 
 # A bucket's compiled callable, and the compiled graphs' arguments for views of the buffers
 # (graphs/compiled_step.py's `artifact` and `step_args`).
 Artifacts = Callable[[int], Callable[..., Any]]
 StepArgs = Callable[[StepInputs], list[Any]]
+# A bucket's compiled callable if it is ready now (loaded, not compiling), else None.
+ReadyArtifact = Callable[[int], Callable[..., Any] | None]
+
+# The largest bucket a CPU decode step captures on demand (see the module's docstring).
+CPU_ON_DEMAND_MAX_TOKENS = 16
 
 
 class DecodeGraphs:
@@ -49,6 +58,7 @@ class DecodeGraphs:
         self.all_buckets = tuple(buckets)
         self.buckets = tuple(b for b in buckets if b <= max_num_seqs)
         self.graphs: BucketGraphs | None = None
+        self._on_demand: tuple[ReadyArtifact, StepArgs] | None = None
 
     @property
     def width(self) -> int:
@@ -67,6 +77,11 @@ class DecodeGraphs:
         self.graphs = graphs
         return graphs
 
+    def capture_on_demand(self, ready: ReadyArtifact, step_args: StepArgs) -> None:
+        """Let decode steps capture their bucket when `ready(bucket)` has its graph (CPU only)."""
+        if self.runtime.captures_on_demand:
+            self._on_demand = (ready, step_args)
+
     def release(self) -> None:
         """Drop the captured graphs (their memory returns to the device allocator)."""
         self.graphs = None
@@ -75,14 +90,29 @@ class DecodeGraphs:
         """The logits of `inputs` from a replayed graph, or None when no graph serves this step."""
         graphs = self.graphs
         num_tokens = inputs.slot_mapping.shape[0]
-        if graphs is None or num_tokens != inputs.seq_lens.shape[0]:
+        if (graphs is None and self._on_demand is None) or num_tokens != inputs.seq_lens.shape[0]:
             return None
         bucket = bucket_for(num_tokens, self.buckets)
-        if bucket is None or not graphs.has(bucket):
+        if bucket is None:
             return None
+        artifact = None
+        if graphs is None or not graphs.has(bucket):
+            artifact = self._ready_to_capture(bucket)
+            if artifact is None:
+                return None
         shape = bucket_shape(bucket, self.max_num_seqs)
         pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
+        if artifact is not None:  # this step's inputs are in the buffers: its capture runs it
+            graphs = self.graphs = self.graphs or BucketGraphs(self.runtime, self.buckets)
+            assert self._on_demand is not None
+            graphs.capture(bucket, self._bound_fn(bucket, artifact, self._on_demand[1]))
+        assert graphs is not None
         return graphs.replay(bucket)[: inputs.logits_indices.shape[0]]
+
+    def _ready_to_capture(self, bucket: int) -> Callable[..., Any] | None:
+        if self._on_demand is None or bucket > CPU_ON_DEMAND_MAX_TOKENS:
+            return None
+        return self._on_demand[0](bucket)
 
     def _step_fn(self, bucket: int, artifact: Callable[..., Any], step_args: StepArgs) -> StepFn:
         """The bucket's compiled artifact bound to static views of the buffers, set to padding."""
@@ -99,7 +129,13 @@ class DecodeGraphs:
             query_start_loc=b.query_start_loc[:1],
             logits_indices=b.logits_indices[:0],
         )
-        views = pad_step(b, empty, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
+        pad_step(b, empty, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
+        return self._bound_fn(bucket, artifact, step_args)
+
+    def _bound_fn(self, bucket: int, artifact: Callable[..., Any], step_args: StepArgs) -> StepFn:
+        """The bucket's artifact bound to static views of the buffers (not written here)."""
+        shape = bucket_shape(bucket, self.max_num_seqs)
+        views = front_of(self.buffers, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
         args = step_args(views)
 
         def run_bucket() -> torch.Tensor:

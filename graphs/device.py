@@ -7,8 +7,11 @@ Everything above this file (bucket graphs, the runner, later the async loop) tal
   buffers and returns its output tensor. The caller updates those buffers in place, then calls
   `replay()`, which computes on their current contents.
   CUDA: a CUDA graph recorded from `fn` after a warm-up; `replay()` relaunches it and returns
-  the same static output tensor every time. CPU: there are no device graphs; the "capture" is
-  the shape-specialised compiled callable itself, warmed up once, and `replay()` calls it.
+  the same static output tensor every time. CPU: there are no device graphs; the capture
+  records the compiled callable's calls into a plan that C++ replays (graphs/cpu_step_plan.py),
+  or, where the recording is refused, keeps the callable itself, and `replay()` calls it. A CPU
+  capture costs no compile of its own, so graphs/decode_graphs.py captures a CPU bucket on
+  demand, when a decode step first finds it compiled (`captures_on_demand`), not at start-up.
 - `Event`: record / wait / query / synchronize. On CPU all work runs synchronously on the
   calling thread today, so an event is complete as soon as it is recorded; the async loop will
   give CPU a FIFO execution worker whose events really wait, behind this same interface.
@@ -21,13 +24,17 @@ placed its output where an earlier graph keeps intermediates.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import cast
 
 import torch
 
+from compiled_engine.graphs.cpu_step_plan import CpuStepPlan, record_step_plan
 from compiled_engine.kernels.source_version import source_version
+
+logger = logging.getLogger(__name__)
 
 # Goes into the compile-cache key with the other versions: a hash of this source.
 DEVICE_RUNTIME_VERSION = source_version(__name__)
@@ -79,6 +86,7 @@ class DeviceRuntime(ABC):
     kind: str  # torch device type: "cpu" or "cuda"
     device: torch.device
     supports_graphs: bool  # True when capture records a device graph (replay skips Python)
+    captures_on_demand: bool = False  # True when a capture is cheap enough to make mid-serving
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -127,20 +135,28 @@ class CpuEvent(Event):
 
 
 class CpuGraph(CapturedGraph):
-    """The shape-specialised compiled callable of one bucket; replay calls it."""
+    """One bucket's step: its recorded plan when there is one (replayed from C++, the same output
+    tensor each time), else the shape-specialised compiled callable, called."""
 
-    def __init__(self, fn: StepFn) -> None:
+    def __init__(self, fn: StepFn, plan: CpuStepPlan | None = None, refused: str | None = None) -> None:
         self._fn = fn
-        # The callable allocates its outputs per call and keeps no pool between calls.
+        self.plan = plan
+        self.refused = refused  # why there is no plan, if none
+        # Host memory, which the KV-cache sizing does not budget against (memory_in_use below).
         self.memory_bytes = 0
 
     def replay(self) -> torch.Tensor:
+        if self.plan is not None:
+            return self.plan.replay()
         return _checked_output(self._fn())
 
 
 class CpuRuntime(DeviceRuntime):
     kind = "cpu"
+    # No start-up capture (it would compile every decode bucket before the first request); the
+    # decode graphs capture a bucket when a step first finds it compiled.
     supports_graphs = False
+    captures_on_demand = True
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -161,10 +177,11 @@ class CpuRuntime(DeviceRuntime):
         return None
 
     def capture(self, fn: StepFn, pool: GraphPool | None = None) -> CpuGraph:
-        # One warm-up call, as on CUDA: an Inductor artifact's first call loads its kernel
-        # library, a cost that belongs to start-up, not to the first request.
-        _checked_output(fn())
-        return CpuGraph(fn)
+        output, plan, refused = record_step_plan(fn)
+        _checked_output(output)
+        if refused is not None:
+            logger.info("a CPU step graph runs its Python wrapper, not a recorded plan: %s", refused)
+        return CpuGraph(fn, plan, refused)
 
 
 # -- CUDA --------------------------------------------------------------------------------------

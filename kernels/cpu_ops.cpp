@@ -18,12 +18,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,9 +35,12 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -145,7 +152,21 @@ int64_t live_copies(std::mutex& mutex, const PackedCopies<Packed, Version>& copi
   return live;
 }
 
-at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// The output of a linear over x's rows with `features` outputs: `out` when given (a step plan's
+// buffer, below: checked to be that shape, x's dtype, contiguous), else a new tensor.
+at::Tensor output_for(const at::Tensor& x, int64_t features, const at::Tensor& out) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = features;
+  if (!out.defined()) return at::empty(sizes, x.options());
+  TORCH_CHECK_VALUE(out.sizes() == c10::IntArrayRef(sizes) && out.scalar_type() == x.scalar_type() &&
+                        out.is_contiguous(),
+                    "a linear's output must be a contiguous ", x.scalar_type(), " ", c10::IntArrayRef(sizes),
+                    ", got ", out.scalar_type(), " ", out.sizes());
+  return out;
+}
+
+at::Tensor cpu_gemv_into(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& out_in) {
   TORCH_CHECK_VALUE(weight.dim() == 2, "a linear weight is 2-D, got shape ", weight.sizes());
   const int code = dtype_code(weight.scalar_type());
   TORCH_CHECK_VALUE(code >= 0, "cpu_gemv packs float32, bfloat16 or float16 CPU weights, got ",
@@ -165,15 +186,17 @@ at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& weight, const std::op
   }
   at::Tensor rows = x.reshape({-1, in_features});
   if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < in_features)) rows = rows.contiguous();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  at::Tensor out = at::empty(sizes, x.options());
+  at::Tensor out = output_for(x, out_features, out_in);
   const at::Tensor packed = packed_copy(g_packed_mutex, g_packed, weight, pack);
   const int rc = ce_cpu_gemv(rows.data_ptr(), rows.stride(0), rows.size(0), packed.data_ptr(),
                              bias_rows.has_value() ? bias_rows->data_ptr() : nullptr, out.data_ptr(), in_features,
                              out_features, code, g_isa.load(std::memory_order_relaxed), at::get_num_threads());
   TORCH_CHECK(rc == 0, "cpu_gemv: the kernel rejected its arguments (code ", rc, ")");
   return out;
+}
+
+at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return cpu_gemv_into(x, weight, bias, at::Tensor());
 }
 
 // ---- onednn_linear ----------------------------------------------------------------------------
@@ -266,7 +289,7 @@ struct QuantizedCall {
 };
 
 QuantizedCall quantized_call(const at::Tensor& x, int64_t in_features, int64_t out_features,
-                             const std::optional<at::Tensor>& bias, bool allocate_out) {
+                             const std::optional<at::Tensor>& bias, bool allocate_out, const at::Tensor& out) {
   const int code = dtype_code(x.scalar_type());
   TORCH_CHECK_VALUE(code >= 0, "cpu_gemv_quantized takes float32, bfloat16 or float16 activations, got ",
                     x.scalar_type());
@@ -282,9 +305,7 @@ QuantizedCall quantized_call(const at::Tensor& x, int64_t in_features, int64_t o
   }
   at::Tensor rows = x.reshape({-1, in_features});
   if (!rows.is_contiguous()) rows = rows.contiguous();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  return {rows, bias_rows, allocate_out ? at::empty(sizes, x.options()) : at::Tensor(), code};
+  return {rows, bias_rows, allocate_out ? output_for(x, out_features, out) : at::Tensor(), code};
 }
 
 int quantized_path(const at::Tensor& x, bool many_rows) {
@@ -433,15 +454,15 @@ at::Tensor dequantized_linear(const at::Tensor& x, const at::Tensor& qweight, co
 }
 
 template <bool kManyRows>
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias) {
+at::Tensor int8_linear_into(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kChar,
                     "cpu_gemv_int8 takes an int8 [N, K] weight, got ", qweight.scalar_type(), " ", qweight.sizes());
   const int64_t out_features = qweight.size(0), in_features = qweight.size(1);
   TORCH_CHECK_VALUE(scales.numel() == out_features, "cpu_gemv_int8: ", scales.numel(), " scales for ",
                     out_features, " outputs");
   const bool dequantize = kManyRows && x.numel() / std::max<int64_t>(in_features, 1) >= kDequantizeRows;
-  QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize);
+  QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize, out);
   if (dequantize) return dequantized_linear(x, qweight, scales, nullptr, 0, out_features, in_features, call.bias);
   const std::array<int64_t, 3> version{version_of(qweight), version_of(scales), 0};
   const std::vector<at::Tensor> packed = packed_copy(g_quantized_mutex, g_quantized, qweight, version,
@@ -456,8 +477,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 }
 
 template <bool kManyRows>
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  return int8_linear_into<kManyRows>(x, qweight, scales, bias, at::Tensor());
+}
+
+template <bool kManyRows>
+at::Tensor int4_linear_into(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                            const at::Tensor& out) {
   TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte,
                     "cpu_gemv_int4 takes a uint8 [N, K / 2] weight, got ", qweight.scalar_type(), " ",
                     qweight.sizes());
@@ -474,7 +502,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                       group_size % kInt8XInputs == 0;
   const bool dequantize =
       kManyRows && !int8_x && x.numel() / std::max<int64_t>(in_features, 1) >= kDequantizeRows;
-  QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize);
+  QuantizedCall call = quantized_call(x, in_features, out_features, bias, !dequantize, out);
   if (dequantize) {
     return dequantized_linear(x, qweight, scales, &zeros, group_size, out_features, in_features, call.bias);
   }
@@ -489,6 +517,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                         packed.size() > 3 ? static_cast<const uint32_t*>(packed[3].data_ptr()) : nullptr);
   TORCH_CHECK(rc == 0, "cpu_gemv_int4: the kernel rejected its arguments (code ", rc, ")");
   return call.out;
+}
+
+template <bool kManyRows>
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  return int4_linear_into<kManyRows>(x, qweight, scales, zeros, group_size, bias, at::Tensor());
 }
 
 // ---- paged_attention_cpu ----------------------------------------------------------------------
@@ -561,11 +595,11 @@ at::Tensor as_rows(const at::Tensor& t, at::ScalarType dtype) {  // [T, H, D], u
 
 int64_t address(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())); }
 
-at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                               at::Tensor& kv_cache, const at::Tensor& slot_mapping_in,
-                               const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
-                               const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
-                               double softcap) {
+at::Tensor paged_attention_cpu_into(const at::Tensor& query_in, const at::Tensor& key_in,
+                                    const at::Tensor& value_in, const at::Tensor& kv_cache,
+                                    const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
+                                    const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
+                                    double scale, int64_t sliding_window, double softcap, const at::Tensor& out_in) {
   check_inputs(query_in, key_in, value_in, kv_cache, slot_mapping_in, block_tables_in, seq_lens_in,
                query_start_loc_in);
   const at::ScalarType dtype = query_in.scalar_type();
@@ -582,7 +616,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   const at::Tensor seq_lens = as_index(seq_lens_in), query_start_loc = as_index(query_start_loc_in);
   const int64_t num_tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  at::Tensor out = at::empty({num_tokens, num_q_heads, head_dim}, query.options());
+  at::Tensor out = out_in;
+  if (!out.defined()) {
+    out = at::empty({num_tokens, num_q_heads, head_dim}, query.options());
+  } else {
+    TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == dtype && out.is_contiguous(),
+                      "paged_attention_cpu's output must be a contiguous ", dtype, " ", query.sizes(), ", got ",
+                      out.scalar_type(), " ", out.sizes());
+  }
   const int64_t cache = address(kv_cache);
   // The order kernels/cpu_attention.cpp's ce_cpu_paged_attention documents.
   const std::array<int64_t, 37> ints{
@@ -605,6 +646,124 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   TORCH_CHECK(rc == 0, "paged_attention_cpu: the kernel rejected its arguments (code ", rc, ")");
   return out;
 }
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                               int64_t sliding_window, double softcap) {
+  return paged_attention_cpu_into(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, sliding_window, softcap, at::Tensor());
+}
+
+// ---- CpuStepPlan: a compiled decode graph's calls, replayed without Python ----------------------
+
+// graphs/cpu_step_plan.py records the Python wrapper of one Inductor-compiled bucket (its fused C++
+// kernels and these ops, called on fixed buffers) and hands each call to a plan; `run` then makes
+// the same calls from here, one Python call a step instead of ~10 per layer (the wrapper cost
+// 0.3-1.8 ms a decode step on 2 cores: docs/performance.md).
+
+// A fused kernel of Inductor's takes pointers and int64 sizes only (the recorder checks this), passed
+// in integer registers / stack slots alike on x86-64 and AArch64, so one int64 signature per
+// argument count calls any of them.
+using KernelCaller = void (*)(void*, const int64_t*);
+
+template <size_t... I>
+void call_kernel(void* fn, const int64_t* args, std::index_sequence<I...>) {
+  using Fn = void (*)(decltype(static_cast<void>(I), int64_t{})...);
+  reinterpret_cast<Fn>(fn)(args[I]...);
+}
+
+template <size_t N>
+void call_kernel_with(void* fn, const int64_t* args) {
+  call_kernel(fn, args, std::make_index_sequence<N>{});
+}
+
+template <size_t... N>
+constexpr std::array<KernelCaller, sizeof...(N)> kernel_callers(std::index_sequence<N...>) {
+  return {&call_kernel_with<N>...};
+}
+
+constexpr size_t kMaxKernelArgs = 96;
+constexpr auto kKernelCallers = kernel_callers(std::make_index_sequence<kMaxKernelArgs + 1>{});
+
+struct CpuStepPlan : torch::CustomClassHolder {
+  struct Call {
+    KernelCaller caller = nullptr;  // a fused kernel: caller(fn, args)
+    void* fn = nullptr;
+    std::vector<int64_t> args;
+    std::function<at::Tensor()> op;  // else one of the ops above, writing into `out`
+    at::Tensor out;
+  };
+  std::vector<Call> calls;
+
+  void add_kernel(int64_t fn, std::vector<int64_t> args) {
+    TORCH_CHECK_VALUE(fn != 0, "CpuStepPlan.add_kernel: a null kernel");
+    TORCH_CHECK_VALUE(args.size() <= kMaxKernelArgs, "CpuStepPlan.add_kernel: ", args.size(),
+                      " arguments, at most ", kMaxKernelArgs);
+    Call call;
+    call.caller = kKernelCallers[args.size()];
+    call.fn = reinterpret_cast<void*>(static_cast<intptr_t>(fn));
+    call.args = std::move(args);
+    calls.push_back(std::move(call));
+  }
+
+  // Op `name` on `tensors` (its tensor arguments in schema order, an absent bias left out), its
+  // float and int arguments, writing into `out`. False for an op the plan does not know.
+  bool add_op(const std::string& name, std::vector<at::Tensor> t, std::vector<double> floats,
+              std::vector<int64_t> ints, at::Tensor out) {
+    const size_t n = t.size();
+    auto optional_at = [&](size_t i) { return i < n ? std::optional<at::Tensor>(t[i]) : std::nullopt; };
+    std::function<at::Tensor()> op;
+    if (name == "cpu_gemv" && (n == 2 || n == 3)) {
+      op = [t, bias = optional_at(2), out] { return cpu_gemv_into(t[0], t[1], bias, out); };
+    } else if ((name == "cpu_gemv_int8" || name == "cpu_gemm_int8") && (n == 3 || n == 4)) {
+      const bool many = name == "cpu_gemm_int8";
+      op = [t, bias = optional_at(3), out, many] {
+        return many ? int8_linear_into<true>(t[0], t[1], t[2], bias, out)
+                    : int8_linear_into<false>(t[0], t[1], t[2], bias, out);
+      };
+    } else if ((name == "cpu_gemv_int4" || name == "cpu_gemm_int4") && (n == 4 || n == 5) && ints.size() == 1) {
+      const bool many = name == "cpu_gemm_int4";
+      op = [t, bias = optional_at(4), out, many, group = ints[0]] {
+        return many ? int4_linear_into<true>(t[0], t[1], t[2], t[3], group, bias, out)
+                    : int4_linear_into<false>(t[0], t[1], t[2], t[3], group, bias, out);
+      };
+    } else if ((name == "mm" || name == "bmm") && n == 2) {  // Inductor's extern GEMMs, into `out`
+      const bool batched = name == "bmm";
+      op = [t, out, batched]() mutable { return batched ? at::bmm_out(out, t[0], t[1]) : at::mm_out(out, t[0], t[1]); };
+    } else if (name == "addmm" && n == 3 && floats.size() == 2) {
+      op = [t, out, beta = floats[0], alpha = floats[1]]() mutable {
+        return at::addmm_out(out, t[0], t[1], t[2], beta, alpha);
+      };
+    } else if (name == "paged_attention_cpu" && n == 8 && floats.size() == 2 && ints.size() == 1) {
+      op = [t, out, scale = floats[0], softcap = floats[1], window = ints[0]] {
+        return paged_attention_cpu_into(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], scale, window, softcap,
+                                        out);
+      };
+    } else {
+      return false;
+    }
+    Call call;
+    call.op = std::move(op);
+    call.out = std::move(out);
+    calls.push_back(std::move(call));
+    return true;
+  }
+
+  void run() {
+    for (const Call& call : calls) {
+      if (call.caller != nullptr) {
+        call.caller(call.fn, call.args.data());
+      } else {
+        const at::Tensor result = call.op();
+        // Past kDequantizeRows the quantized ops return a new tensor (torch's GEMM's).
+        if (result.data_ptr() != call.out.data_ptr()) call.out.copy_(result);
+      }
+    }
+  }
+
+  int64_t size() const { return static_cast<int64_t>(calls.size()); }
+};
 
 }  // namespace
 
@@ -639,4 +798,13 @@ TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) {
   m.impl("cpu_gemm_int8", &int8_linear<true>);
   m.impl("cpu_gemv_int4", &int4_linear<false>);
   m.impl("cpu_gemm_int4", &int4_linear<true>);
+}
+
+TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
+  m.class_<CpuStepPlan>("CpuStepPlan")
+      .def(torch::init<>())
+      .def("add_kernel", &CpuStepPlan::add_kernel)
+      .def("add_op", &CpuStepPlan::add_op)
+      .def("run", &CpuStepPlan::run)
+      .def("size", &CpuStepPlan::size);
 }

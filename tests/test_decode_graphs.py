@@ -21,7 +21,10 @@ MAX_SEQS = 4
 
 
 class RecordingRuntime(CpuRuntime):
-    """The CPU runtime, recording captures and replays."""
+    """The CPU runtime, recording captures and replays; it captures at capture_graphs() only, as
+    CUDA does (tests/test_cpu_step_plan.py covers the CPU's captures on demand)."""
+
+    captures_on_demand = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,215 @@
+"""CPU step plans (graphs/cpu_step_plan.py, kernels/cpu_ops.cpp's CpuStepPlan): a compiled
+bucket's wrapper recorded once and replayed from C++, and the decode graphs capturing CPU buckets
+on demand (graphs/decode_graphs.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import pytest
+import torch
+
+from compiled_engine.graphs import cpu_step_plan, decode_graphs
+from compiled_engine.graphs.compiled_step import CompiledStep
+from compiled_engine.graphs.cpu_step_plan import StepPlanRefused, record_step_plan
+from compiled_engine.graphs.device import CpuGraph
+from compiled_engine.kernels import cpu_ops
+from compiled_engine.kernels.backends import resolve_attention_backend
+from compiled_engine.model_loader.loader import load_model
+from compiled_engine.worker.input_buffers import InputBuffers
+from tests.test_compiled_step import BLOCK_SIZE, NUM_BLOCKS, _step
+
+pytestmark = pytest.mark.skipif(
+    cpu_ops.use_native_ops() is not None, reason="the C++ CPU ops are not built here"
+)
+
+
+def _wrapper_module(tmp_path, body: str):
+    """A module shaped like Inductor's output code: a Runner whose `call` has `body`."""
+    source = textwrap.dedent(
+        """
+        import torch
+        empty_strided_cpu = torch._C._dynamo.guards._empty_strided_cpu
+        reinterpret_tensor = torch._C._dynamo.guards._reinterpret_tensor
+        aten = torch.ops.aten
+        from torch._inductor.select_algorithm import extern_kernels
+
+        class Runner:
+            def call(self, args):
+                arg0_1, arg1_1 = args
+                args.clear()
+        """
+    ) + textwrap.indent(textwrap.dedent(body), " " * 8)
+    path = tmp_path / "wrapper_module.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("wrapper_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Runner()
+
+
+def test_a_wrapper_of_known_ops_replays_on_the_buffers_current_contents(tmp_path):
+    runner = _wrapper_module(
+        tmp_path,
+        """
+        buf0 = torch.ops.compiled_engine.cpu_gemv.default(arg0_1, arg1_1, None)
+        buf1 = buf0
+        del buf0
+        return (reinterpret_tensor(buf1, (2, 24), (24, 1), 0), )
+        """,
+    )
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 40), torch.randn(24, 40)
+    output, plan, refused = record_step_plan(lambda: runner.call([x, weight])[0])
+    assert refused is None and plan is not None and plan.num_calls == 1
+    torch.testing.assert_close(output, x @ weight.T, rtol=1e-5, atol=1e-5)
+    x.copy_(torch.randn(2, 40))  # a new step's inputs, written in place
+    replayed = plan.replay()
+    assert replayed is output  # the same tensor, overwritten
+    torch.testing.assert_close(replayed, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_extern_gemms_replay_into_their_out_buffers(tmp_path):
+    runner = _wrapper_module(
+        tmp_path,
+        """
+        buf0 = empty_strided_cpu((2, 24), (24, 1), torch.float32)
+        extern_kernels.mm(arg0_1, reinterpret_tensor(arg1_1, (40, 24), (1, 40), 0), out=buf0)
+        buf1 = empty_strided_cpu((2, 24), (24, 1), torch.float32)
+        weight_t = reinterpret_tensor(arg1_1, (40, 24), (1, 40), 0)
+        extern_kernels.addmm(buf0, arg0_1, weight_t, alpha=2, beta=3, out=buf1)
+        return (buf1, )
+        """,
+    )
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 40), torch.randn(24, 40)
+    _, plan, refused = record_step_plan(lambda: runner.call([x, weight])[0])
+    assert refused is None and plan.num_calls == 2
+    x.copy_(torch.randn(2, 40))
+    torch.testing.assert_close(plan.replay(), 5 * (x @ weight.T), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        # An aten op in the wrapper: Python-level maths the plan would not repeat.
+        ("buf0 = aten.add.Tensor(arg0_1, arg0_1)\nreturn (buf0, )", "calls aten.add.Tensor"),
+        ("for i in range(2):\n    pass\nreturn (arg0_1, )", "has a For statement"),
+        ("arg0_1.add_(1)\nreturn (arg0_1, )", "calls arg0_1.add_"),
+        # An op of ours the plan has no entry for.
+        ("buf0 = torch.ops.compiled_engine.materialize.default(arg0_1)\nreturn (buf0, )", "does not replay"),
+        # The output is memory no recorded call writes.
+        ("return (arg0_1, )", "not memory the recorded calls write"),
+    ],
+)
+def test_wrappers_the_plan_cannot_repeat_are_refused_with_the_reason(tmp_path, body, reason):
+    runner = _wrapper_module(tmp_path, body)
+    x = torch.randn(2, 40)
+    output, plan, refused = record_step_plan(lambda: runner.call([x, torch.randn(24, 40)])[0])
+    assert plan is None and reason in refused
+    assert isinstance(output, torch.Tensor)  # the step itself still ran
+
+
+def test_a_step_without_an_inductor_wrapper_is_refused():
+    output, plan, refused = record_step_plan(lambda: torch.ones(3) * 2)
+    assert plan is None and "0 Inductor wrappers" in refused
+    assert torch.equal(output, torch.full((3,), 2.0))
+
+
+def test_a_fused_kernel_with_a_float_argument_is_refused():
+    with pytest.raises(StepPlanRefused, match="takes a float argument"):
+        call = cpu_step_plan._KernelCall(binding=None, args=(torch.ones(2), 0.5))
+        cpu_step_plan._build([call], torch.ones(2))
+
+
+def test_the_cpp_plan_names_its_bad_input():
+    plan = torch.classes.compiled_engine.CpuStepPlan()
+    with pytest.raises(Exception, match="a null kernel"):
+        plan.add_kernel(0, [])
+    with pytest.raises(Exception, match="at most 96"):
+        plan.add_kernel(1, [0] * 97)
+    x, weight = torch.randn(1, 8), torch.randn(4, 8)
+    assert not plan.add_op("not_an_op", [x], [], [], torch.empty(1, 4))
+    assert not plan.add_op("cpu_gemv", [x], [], [], torch.empty(1, 4))  # too few tensors
+    assert plan.add_op("cpu_gemv", [x, weight], [], [], torch.empty(1, 5))  # checked when run
+    with pytest.raises(Exception, match=r"a linear's output must be a contiguous Float \[1, 4\]"):
+        plan.run()
+    assert plan.size() == 1
+
+
+@pytest.fixture(scope="module")
+def steps(llama_dir):
+    loaded = load_model(llama_dir, dtype="float32")
+    mc = loaded.model_config
+    torch.manual_seed(0)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim)
+    caches = [torch.randn(shape) for _ in range(mc.num_layers)]
+    backend = resolve_attention_backend("cpu", "cpu")
+    buffers = InputBuffers(64, 4, 256, BLOCK_SIZE, torch.device("cpu"))
+    planned = CompiledStep(loaded.model, caches, buffers.whole(), (1, 2, 4, 8), attention_backend=backend)
+    plain_buffers = InputBuffers(64, 4, 256, BLOCK_SIZE, torch.device("cpu"))
+    plain = CompiledStep(loaded.model, caches, plain_buffers.whole(), (1, 2, 4, 8), attention_backend=backend)
+    plain.decode_graphs._on_demand = None  # this one always calls its artifacts
+    return planned, buffers, plain, plain_buffers, caches
+
+
+def _run(step, buffers, spec):
+    with torch.inference_mode():
+        return step(buffers.prepare(_step(spec)).inputs).clone()
+
+
+def test_decode_steps_capture_their_bucket_once_it_is_compiled_and_replay_it(steps):
+    planned, buffers, plain, plain_buffers, caches = steps
+    graphs = lambda: planned.decode_graphs.graphs  # noqa: E731
+    first = [(1, 20, True), (1, 7, True)]
+    # The bucket is not compiled yet: this step compiles it and runs the artifact (no capture).
+    before = [c.clone() for c in caches]
+    planned_logits = _run(planned, buffers, first)
+    assert graphs() is None or not graphs().has(2)
+    for cache, saved in zip(caches, before, strict=True):
+        cache.copy_(saved)
+    for spec in (first, [(1, 21, True), (1, 8, True)], [(1, 40, True), (1, 3, True)]):
+        before = [c.clone() for c in caches]
+        expected = _run(plain, plain_buffers, spec)
+        plain_caches = [c.clone() for c in caches]
+        for cache, saved in zip(caches, before, strict=True):
+            cache.copy_(saved)
+        planned_logits = _run(planned, buffers, spec)
+        graph = graphs()._graphs[2]
+        assert isinstance(graph, CpuGraph) and graph.plan is not None, graph.refused
+        torch.testing.assert_close(planned_logits, expected, rtol=0, atol=0)
+        for ours, theirs in zip(caches, plain_caches, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    # A plan's calls: per layer its fused kernels and ops, all of them C++.
+    assert graph.plan.num_calls >= 2 * len(caches)
+    # A prefill step is no decode batch: the bucket graph runs, nothing more is captured.
+    _run(planned, buffers, [(3, 0, True)])
+    assert graphs().captured_buckets == (2,)
+
+
+def test_buckets_above_the_on_demand_limit_are_not_captured(steps, monkeypatch):
+    planned, buffers, _, _, _ = steps
+    monkeypatch.setattr(decode_graphs, "CPU_ON_DEMAND_MAX_TOKENS", 2)
+    spec = [(1, 9, True)] * 3  # bucket 4
+    _run(planned, buffers, spec)
+    _run(planned, buffers, spec)
+    graphs = planned.decode_graphs.graphs
+    assert graphs is None or not graphs.has(4)
+
+
+def test_new_kv_caches_drop_the_plans_and_the_next_decode_recaptures(steps):
+    planned, buffers, _, _, caches = steps
+    _run(planned, buffers, [(1, 5, True)])
+    _run(planned, buffers, [(1, 6, True)])
+    assert planned.decode_graphs.graphs.has(1)
+    planned.set_kv_caches(new_caches := [c.clone() for c in caches])
+    assert planned.decode_graphs.graphs is None
+    _run(planned, buffers, [(1, 6, True)])
+    graph = planned.decode_graphs.graphs._graphs[1]
+    plan = graph.plan
+    assert plan is not None, graph.refused
+    held = {t.data_ptr() for t in plan.keep}
+    assert all(c.data_ptr() in held for c in new_caches)
+    assert not any(c.data_ptr() in held for c in caches)
+    planned.set_kv_caches(caches)
