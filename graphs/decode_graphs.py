@@ -32,7 +32,7 @@ import torch
 from compiled_engine.graphs.bucket_graphs import BucketGraphs
 from compiled_engine.graphs.buckets import bucket_for, bucket_shape, pad_step
 from compiled_engine.graphs.device import DeviceRuntime, StepFn
-from compiled_engine.graphs.step_inputs import StepInputs, front_of
+from compiled_engine.graphs.step_inputs import FrontViews, StepInputs, front_of
 
 # A bucket's compiled callable, and the compiled graphs' arguments for views of the buffers
 # (graphs/compiled_step.py's `artifact` and `step_args`).
@@ -58,6 +58,7 @@ class DecodeGraphs:
         self.all_buckets = tuple(buckets)
         self.buckets = tuple(b for b in buckets if b <= max_num_seqs)
         self.graphs: BucketGraphs | None = None
+        self._views = FrontViews(buffers)  # a replayed step pads through cached (numpy) views
         self._on_demand: tuple[ReadyArtifact, StepArgs] | None = None
 
     @property
@@ -101,7 +102,10 @@ class DecodeGraphs:
             if artifact is None:
                 return None
         shape = bucket_shape(bucket, self.max_num_seqs)
-        pad_step(self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, self.width)
+        width = self.width
+        pad_step(
+            self.buffers, inputs, shape.num_tokens, shape.num_seqs, shape.num_seqs, width, views=self._views
+        )
         if artifact is not None:  # this step's inputs are in the buffers: its capture runs it
             graphs = self.graphs = self.graphs or BucketGraphs(self.runtime, self.buckets)
             assert self._on_demand is not None
