@@ -716,6 +716,8 @@ struct CpuStepPlan : torch::CustomClassHolder {
     std::function<at::Tensor()> op;
     if (name == "cpu_gemv" && (n == 2 || n == 3)) {
       op = [t, bias = optional_at(2), out] { return cpu_gemv_into(t[0], t[1], bias, out); };
+    } else if (name == "onednn_linear" && (n == 2 || n == 3)) {  // oneDNN allocates: copied into `out`
+      op = [t, bias = optional_at(2)] { return onednn_linear(t[0], t[1], bias); };
     } else if ((name == "cpu_gemv_int8" || name == "cpu_gemm_int8") && (n == 3 || n == 4)) {
       const bool many = name == "cpu_gemm_int8";
       op = [t, bias = optional_at(3), out, many] {
@@ -756,7 +758,7 @@ struct CpuStepPlan : torch::CustomClassHolder {
         call.caller(call.fn, call.args.data());
       } else {
         const at::Tensor result = call.op();
-        // Past kDequantizeRows the quantized ops return a new tensor (torch's GEMM's).
+        // oneDNN's linear, and past kDequantizeRows the quantized ops, return a new tensor.
         if (result.data_ptr() != call.out.data_ptr()) call.out.copy_(result);
       }
     }

@@ -138,6 +138,17 @@ def test_the_cpp_plan_names_its_bad_input():
     assert plan.size() == 1
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_an_op_that_allocates_its_output_is_copied_into_the_recorded_one():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    out = torch.empty(3, 8)
+    plan = torch.classes.compiled_engine.CpuStepPlan()
+    assert plan.add_op("onednn_linear", [x, weight, bias], [], [], out)
+    plan.run()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def steps(llama_dir):
     loaded = load_model(llama_dir, dtype="float32")
