@@ -34,6 +34,8 @@ class EngineConfig:
     compile_policy: str  # "background", "blocking" or "ahead" (engine_args.py); unused when eager
     fuse_linears: bool
     cache_dir: str | None
+    # CPU decode buckets up to this many tokens replay a recorded plan (graphs/cpu_step_plan.py).
+    max_cpu_plan_tokens: int
     async_scheduling: bool
     # The name asked for ("auto" too): the runner resolves it, as a backend may build a kernel.
     attention_backend: str

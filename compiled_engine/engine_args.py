@@ -183,6 +183,12 @@ class EngineArgs:
         "blocking on CUDA",
         choices=COMPILE_POLICY_CHOICES,
     )
+    max_cpu_plan_tokens: int = option(
+        16,
+        "on CPU, decode steps of up to this many tokens replay their compiled graph's calls from a "
+        "plan recorded in C++ (graphs/cpu_step_plan.py), not through Inductor's Python wrapper; "
+        "each recorded bucket keeps its step's intermediates; 0: never",
+    )
     fuse_linears: bool = option(True, "keep q/k/v and gate/up as separate GEMMs")
     quantization: str | None = option(
         None,
@@ -292,6 +298,9 @@ class EngineArgs:
         bad_type = isinstance(reserved, bool) or not isinstance(reserved, int)
         if reserved is not None and (bad_type or reserved < 0):
             raise ValueError(f"cpu_reserved_cores must be an int >= 0 (or None: auto), got {reserved!r}")
+        plan_tokens = self.max_cpu_plan_tokens
+        if isinstance(plan_tokens, bool) or not isinstance(plan_tokens, int) or plan_tokens < 0:
+            raise ValueError(f"max_cpu_plan_tokens must be an int >= 0, got {plan_tokens!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
@@ -462,6 +471,7 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             compile_buckets=buckets,
+            max_cpu_plan_tokens=self.max_cpu_plan_tokens,
             fuse_linears=self.fuse_linears,
             cache_dir=self.cache_dir,
             async_scheduling=async_scheduling,

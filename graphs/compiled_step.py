@@ -46,7 +46,7 @@ from compiled_engine.graphs.bucket_graphs import BUCKET_GRAPHS_VERSION
 from compiled_engine.graphs.buckets import bucket_for, bucket_shape, check_buckets, eager_shape, pad_step
 from compiled_engine.graphs.compile_cache import CacheEntry
 from compiled_engine.graphs.constant_recipes import CONSTANT_RECIPES_VERSION
-from compiled_engine.graphs.decode_graphs import DecodeGraphs
+from compiled_engine.graphs.decode_graphs import DEFAULT_MAX_PLAN_TOKENS, DecodeGraphs
 from compiled_engine.graphs.device import DEVICE_RUNTIME_VERSION, DeviceRuntime, runtime_for
 from compiled_engine.graphs.gemv_policy import GEMV_POLICY_VERSION, GemvDecision, decide_gemv_rows
 from compiled_engine.graphs.pass_manager import BucketTarget, PassReport, PerBucket
@@ -154,6 +154,7 @@ class CompiledStep:
         policy: str = "blocking",
         compiler: CompilerProcess | None = None,
         before_inductor: Callable[[], None] | None = None,
+        max_plan_tokens: int = DEFAULT_MAX_PLAN_TOKENS,
     ) -> None:
         if policy not in COMPILE_POLICIES:
             raise ValueError(
@@ -194,7 +195,7 @@ class CompiledStep:
         # Captured decode graphs, once capture_graphs() ran, or (CPU) each when a decode step first
         # finds its bucket compiled (graphs/decode_graphs.py).
         self.decode_graphs = DecodeGraphs(self.runtime, buffers, self.buckets, self.max_num_seqs)
-        self.decode_graphs.capture_on_demand(self._artifacts.get, self.step_args)
+        self.decode_graphs.capture_on_demand(self._artifacts.get, self.step_args, max_plan_tokens)
         self.last_call: GraphCall | None = None  # how the latest step ran
         self.background: BackgroundBuilds | None = None
         if self.store is not None:

@@ -17,9 +17,9 @@ On CUDA that is a real CUDA graph per bucket in one shared pool, all captured at
 (`capture`). On CPU a capture records the compiled callable's calls into a plan replayed from
 C++ (graphs/cpu_step_plan.py), and costs no compile, so once `capture_on_demand` is set a
 decode step captures its bucket itself the first time it finds the bucket's graph compiled
-(`ready(bucket)`), up to CPU_ON_DEMAND_MAX_TOKENS tokens: a plan holds every intermediate of its
-step for good (~0.65 MB a token for the 24-layer 0.5B shape), and past a few rows the Python
-wrapper it saves is a small part of the step.
+(`ready(bucket)`), up to `max_tokens` (EngineArgs.max_cpu_plan_tokens, default 16): a plan
+holds every intermediate of its step for good (~0.65 MB a token for the 24-layer 0.5B shape),
+and past a few rows the Python wrapper it saves is a small part of the step.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ StepArgs = Callable[[StepInputs], list[Any]]
 # A bucket's compiled callable if it is ready now (loaded, not compiling), else None.
 ReadyArtifact = Callable[[int], Callable[..., Any] | None]
 
-# The largest bucket a CPU decode step captures on demand (see the module's docstring).
-CPU_ON_DEMAND_MAX_TOKENS = 16
+# The largest bucket a CPU decode step captures on demand unless told otherwise (the docstring).
+DEFAULT_MAX_PLAN_TOKENS = 16
 
 
 class DecodeGraphs:
@@ -60,6 +60,7 @@ class DecodeGraphs:
         self.graphs: BucketGraphs | None = None
         self._views = FrontViews(buffers)  # a replayed step pads through cached (numpy) views
         self._on_demand: tuple[ReadyArtifact, StepArgs] | None = None
+        self.max_on_demand_tokens = 0
 
     @property
     def width(self) -> int:
@@ -78,10 +79,14 @@ class DecodeGraphs:
         self.graphs = graphs
         return graphs
 
-    def capture_on_demand(self, ready: ReadyArtifact, step_args: StepArgs) -> None:
-        """Let decode steps capture their bucket when `ready(bucket)` has its graph (CPU only)."""
-        if self.runtime.captures_on_demand:
+    def capture_on_demand(
+        self, ready: ReadyArtifact, step_args: StepArgs, max_tokens: int = DEFAULT_MAX_PLAN_TOKENS
+    ) -> None:
+        """Let decode steps of up to `max_tokens` capture their bucket when `ready(bucket)` has
+        its graph (on a runtime that `captures_on_demand`: the CPU's; 0: never)."""
+        if self.runtime.captures_on_demand and max_tokens > 0:
             self._on_demand = (ready, step_args)
+            self.max_on_demand_tokens = max_tokens
 
     def release(self) -> None:
         """Drop the captured graphs (their memory returns to the device allocator)."""
@@ -114,7 +119,7 @@ class DecodeGraphs:
         return graphs.replay(bucket)[: inputs.logits_indices.shape[0]]
 
     def _ready_to_capture(self, bucket: int) -> Callable[..., Any] | None:
-        if self._on_demand is None or bucket > CPU_ON_DEMAND_MAX_TOKENS:
+        if self._on_demand is None or bucket > self.max_on_demand_tokens:
             return None
         return self._on_demand[0](bucket)
 

@@ -214,6 +214,7 @@ def _build_step_graph(
         tensor_parallel=tensor_parallel,
         quantization=config.quantization,
         policy=config.compile_policy,
+        max_plan_tokens=config.max_cpu_plan_tokens,
         compiler=compiler,
         before_inductor=before_inductor,
     )

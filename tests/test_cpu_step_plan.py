@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from compiled_engine.graphs import cpu_step_plan, decode_graphs
+from compiled_engine.graphs import cpu_step_plan
 from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.cpu_step_plan import StepPlanRefused, record_step_plan
 from compiled_engine.graphs.device import CpuGraph
@@ -201,7 +201,7 @@ def test_decode_steps_capture_their_bucket_once_it_is_compiled_and_replay_it(ste
 
 def test_buckets_above_the_on_demand_limit_are_not_captured(steps, monkeypatch):
     planned, buffers, _, _, _ = steps
-    monkeypatch.setattr(decode_graphs, "CPU_ON_DEMAND_MAX_TOKENS", 2)
+    monkeypatch.setattr(planned.decode_graphs, "max_on_demand_tokens", 2)
     spec = [(1, 9, True)] * 3  # bucket 4
     _run(planned, buffers, spec)
     _run(planned, buffers, spec)
@@ -224,3 +224,23 @@ def test_new_kv_caches_drop_the_plans_and_the_next_decode_recaptures(steps):
     assert all(c.data_ptr() in held for c in new_caches)
     assert not any(c.data_ptr() in held for c in caches)
     planned.set_kv_caches(caches)
+
+
+def test_the_engine_replays_plans_for_its_small_decode_buckets_and_generates_the_same(llama_dir, tmp_path):
+    from compiled_engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 8]} for i in range(3)]
+    outputs, graphs = {}, {}
+    for limit in (0, 16):
+        llm = LLM(llama_dir, dtype="float32", max_num_seqs=4, max_model_len=64, compile_buckets=[1, 2, 4, 16],
+                  cache_dir=str(tmp_path), compile_policy="blocking", attention_backend="cpu",
+                  max_cpu_plan_tokens=limit)  # fmt: skip
+        outputs[limit] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[limit] += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params, use_tqdm=False)]
+        graphs[limit] = llm.engine.model_runner.step_graph.decode_graphs.graphs
+        llm.close()
+    assert graphs[0] is None  # 0: no plans
+    assert set(graphs[16].captured_buckets) == {1, 4}  # three requests decode in bucket 4, one in 1
+    assert all(graphs[16]._graphs[b].plan is not None for b in (1, 4))
+    assert outputs[16] == outputs[0]

@@ -66,6 +66,9 @@ COMMAND_ONLY |= {"logprobs", "verbose"}
         ({"cpu_reserved_cores": -1}, "cpu_reserved_cores must be an int >= 0 (or None: auto), got -1"),
         ({"cpu_reserved_cores": True}, "cpu_reserved_cores must be an int >= 0 (or None: auto), got True"),
         ({"cpu_reserved_cores": 1.5}, "cpu_reserved_cores must be an int >= 0 (or None: auto), got 1.5"),
+        ({"max_cpu_plan_tokens": -1}, "max_cpu_plan_tokens must be an int >= 0, got -1"),
+        ({"max_cpu_plan_tokens": False}, "max_cpu_plan_tokens must be an int >= 0, got False"),
+        ({"max_cpu_plan_tokens": "16"}, "max_cpu_plan_tokens must be an int >= 0, got '16'"),
         ({"attention_backend": "fast"}, "unknown attention_backend 'fast': choose one of auto, torch"),
         (
             {"tensor_parallel_size": 2, "async_scheduling": True},
