@@ -214,7 +214,13 @@ def _build_step_graph(
         tensor_parallel=tensor_parallel,
         quantization=config.quantization,
         policy=config.compile_policy,
-        max_plan_tokens=config.max_cpu_plan_tokens,
+        # Recording a plan runs its step more than once: a pipeline stage's hand-offs and the
+        # tensor-parallel collectives would go out more than once too. Those steps keep the wrapper.
+        max_plan_tokens=(
+            0
+            if tensor_parallel is not None or pipeline_stage_of(model) is not None
+            else config.max_cpu_plan_tokens
+        ),
         compiler=compiler,
         before_inductor=before_inductor,
     )
