@@ -258,6 +258,8 @@ def test_two_stages_compiled_match_one_process(four_layer_dirs, arch):
                 ours = [next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]]
                 theirs = [next(iter(e.values())).logprob for e in reference.prompt_logprobs[1:]]
                 assert ours == pytest.approx(theirs, abs=1e-5)
+        # No step plans in a stage: recording one runs the step, and its hand-offs, again.
+        assert step_graph.inner.decode_graphs.graphs is None
     finally:
         llm.close()
     _assert_nothing_left()

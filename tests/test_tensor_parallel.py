@@ -273,6 +273,8 @@ def test_two_ranks_compiled_match_one_rank(model_dirs, arch):
                 theirs = [next(iter(e.values())).logprob for e in reference.prompt_logprobs[1:]]
                 assert ours == pytest.approx(theirs, abs=1e-5)
         assert llm.engine.num_free_kv_blocks() == llm.engine.num_kv_blocks
+        # No step plans on a rank: recording one runs the step, and its collectives, again.
+        assert llm.engine.model_runner.step_graph.decode_graphs.graphs is None
     finally:
         llm.close()
     _assert_nothing_left()
