@@ -19,6 +19,11 @@ profiling on, and each profiled event's own time is put in one group:
     python -m bench.step_profile [--seqs 64] [--context 128] [--steps 10] [--attention-backend cpu]
                                  [--top N] [--dtype bfloat16]
                                  [--model qwen2.5-0.5b-shape] [--quantization int8|int4]
+                                 [--max-cpu-plan-tokens 16]
+
+Decode buckets run Inductor's Python wrapper here unless --max-cpu-plan-tokens says otherwise: a
+step plan (graphs/cpu_step_plan.py) makes the same kernel calls from C++, which the profiler does
+not see one by one (bench/test_step_plan.py times plans against the wrapper).
 
 The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
 graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
@@ -84,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantization", default=None, choices=("int8", "int4"), help="as LLM(quantization=...)"
     )
+    parser.add_argument(
+        "--max-cpu-plan-tokens",
+        type=int,
+        default=0,
+        help="as LLM(max_cpu_plan_tokens=...); default 0: a step plan runs the kernels without the "
+        "profiler's per-op events, so the groups below need the graph's Python wrapper",
+    )
     args = parser.parse_args(argv)
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
     if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
@@ -108,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_policy="blocking",  # graphs built in the warm-up steps, not swapped in mid-timing
         attention_backend=args.attention_backend,
         quantization=args.quantization,
+        max_cpu_plan_tokens=args.max_cpu_plan_tokens,
     )
     engine = llm.engine
     # Room to the end of the model length: requests that finish their prefill early decode during
