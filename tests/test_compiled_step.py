@@ -37,14 +37,17 @@ def _step(spec: list[tuple[int, int, bool]]) -> SchedulerOutput:
     return SchedulerOutput(requests, sum(n for n, _, _ in spec), (), ())
 
 
+def random_kv_caches(model_config) -> list[torch.Tensor]:
+    """Random (not zero) caches, seeded: a padded row that wrote or read a real block would show."""
+    torch.manual_seed(0)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim)
+    return [torch.randn(shape) for _ in range(model_config.num_layers)]
+
+
 @pytest.fixture(scope="module")
 def setup(llama_dir):
     loaded = load_model(llama_dir, dtype="float32")
-    mc = loaded.model_config
-    torch.manual_seed(0)
-    # Random (not zero) caches: a padded row that wrote or read a real block would show.
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim)
-    caches = [torch.randn(shape) for _ in range(mc.num_layers)]
+    caches = random_kv_caches(loaded.model_config)
     buffers = InputBuffers(64, 6, 256, BLOCK_SIZE, torch.device("cpu"))
     compiled = CompiledStep(loaded.model, caches, buffers.whole(), BUCKETS)
     eager = capture_model(loaded.model, caches)

@@ -18,7 +18,7 @@ from compiled_engine.kernels import cpu_ops
 from compiled_engine.kernels.backends import resolve_attention_backend
 from compiled_engine.model_loader.loader import load_model
 from compiled_engine.worker.input_buffers import InputBuffers
-from tests.test_compiled_step import BLOCK_SIZE, NUM_BLOCKS, _step
+from tests.test_compiled_step import BLOCK_SIZE, _step, random_kv_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_ops.use_native_ops() is not None, reason="the C++ CPU ops are not built here"
@@ -152,17 +152,17 @@ def test_an_op_that_allocates_its_output_is_copied_into_the_recorded_one():
 @pytest.fixture(scope="module")
 def steps(llama_dir):
     loaded = load_model(llama_dir, dtype="float32")
-    mc = loaded.model_config
-    torch.manual_seed(0)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim)
-    caches = [torch.randn(shape) for _ in range(mc.num_layers)]
+    caches = random_kv_caches(loaded.model_config)
     backend = resolve_attention_backend("cpu", "cpu")
-    buffers = InputBuffers(64, 4, 256, BLOCK_SIZE, torch.device("cpu"))
-    planned = CompiledStep(loaded.model, caches, buffers.whole(), (1, 2, 4, 8), attention_backend=backend)
-    plain_buffers = InputBuffers(64, 4, 256, BLOCK_SIZE, torch.device("cpu"))
-    plain = CompiledStep(loaded.model, caches, plain_buffers.whole(), (1, 2, 4, 8), attention_backend=backend)
-    plain.decode_graphs._on_demand = None  # this one always calls its artifacts
-    return planned, buffers, plain, plain_buffers, caches
+    steps = []
+    for max_plan_tokens in (16, 0):  # plans; and one that always calls its artifacts
+        buffers = InputBuffers(64, 4, 256, BLOCK_SIZE, torch.device("cpu"))
+        step = CompiledStep(
+            loaded.model, caches, buffers.whole(), (1, 2, 4, 8), attention_backend=backend,
+            max_plan_tokens=max_plan_tokens,
+        )  # fmt: skip
+        steps += [step, buffers]
+    return (*steps, caches)
 
 
 def _run(step, buffers, spec):

@@ -14,7 +14,7 @@ from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.device import CpuGraph, CpuRuntime, GraphPool, StepFn
 from compiled_engine.model_loader.loader import load_model
 from compiled_engine.worker.input_buffers import InputBuffers
-from tests.test_compiled_step import BLOCK_SIZE, NUM_BLOCKS, _step
+from tests.test_compiled_step import BLOCK_SIZE, _step, random_kv_caches
 
 BUCKETS = (1, 2, 4, 8)
 MAX_SEQS = 4
@@ -47,10 +47,7 @@ class RecordingRuntime(CpuRuntime):
 @pytest.fixture(scope="module")
 def steps(llama_dir):
     loaded = load_model(llama_dir, dtype="float32")
-    mc = loaded.model_config
-    torch.manual_seed(0)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim)
-    caches = [torch.randn(shape) for _ in range(mc.num_layers)]
+    caches = random_kv_caches(loaded.model_config)
     runtime = RecordingRuntime()
     buffers = InputBuffers(64, MAX_SEQS, 256, BLOCK_SIZE, torch.device("cpu"))
     graphed = CompiledStep(loaded.model, caches, buffers.whole(), BUCKETS, runtime=runtime)
