@@ -42,10 +42,6 @@ from typing import Any
 import torch
 
 from compiled_engine.kernels import cpu_ops
-from compiled_engine.kernels.source_version import source_version
-
-# Part of the compile-cache key where it matters: a hash of this source.
-CPU_STEP_PLAN_VERSION = source_version(__name__)
 
 # Names the wrapper may call besides its fused kernels and `torch.ops.compiled_engine` ops:
 # allocations and views (their memory is then held by the plan) and checks that compute nothing.
@@ -89,10 +85,12 @@ def record_step_plan(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, CpuS
         kernels = _check_wrapper(code, namespace)
         calls, output = _run_recording(fn, namespace, kernels)
         plan = _build(calls, output)
+        expected = output.clone()
+        replayed = plan.replay()
     except StepPlanRefused as exc:
         return output, None, str(exc)
-    expected = output.clone()
-    replayed = plan.replay()
+    except Exception as exc:  # noqa: BLE001 - fn ran once without error: the recorder is at fault
+        return output, None, f"recording failed: {type(exc).__name__}: {exc}"
     if not torch.equal(replayed.isnan(), expected.isnan()) or not torch.equal(
         replayed.nan_to_num(), expected.nan_to_num()
     ):

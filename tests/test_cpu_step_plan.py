@@ -111,6 +111,21 @@ def test_wrappers_the_plan_cannot_repeat_are_refused_with_the_reason(tmp_path, b
     assert isinstance(output, torch.Tensor)  # the step itself still ran
 
 
+def test_a_recorder_error_refuses_the_plan_and_keeps_the_steps_output(tmp_path, monkeypatch):
+    runner = _wrapper_module(
+        tmp_path, "buf0 = torch.ops.compiled_engine.cpu_gemv.default(arg0_1, arg1_1, None)\nreturn (buf0, )"
+    )
+
+    def broken(calls, output):
+        raise OSError("no kernel symbol")
+
+    monkeypatch.setattr(cpu_step_plan, "_build", broken)
+    x, weight = torch.randn(2, 40), torch.randn(24, 40)
+    output, plan, refused = record_step_plan(lambda: runner.call([x, weight])[0])
+    assert plan is None and refused == "recording failed: OSError: no kernel symbol"
+    torch.testing.assert_close(output, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_a_step_without_an_inductor_wrapper_is_refused():
     output, plan, refused = record_step_plan(lambda: torch.ones(3) * 2)
     assert plan is None and "0 Inductor wrappers" in refused
