@@ -94,7 +94,7 @@ def record_step_plan(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, CpuS
     if not torch.equal(replayed.isnan(), expected.isnan()) or not torch.equal(
         replayed.nan_to_num(), expected.nan_to_num()
     ):
-        return replayed, None, "a replay right after recording did not give the recorded output"
+        return expected, None, "a replay right after recording did not give the recorded output"
     return replayed, plan, None
 
 
