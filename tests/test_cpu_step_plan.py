@@ -126,6 +126,22 @@ def test_a_recorder_error_refuses_the_plan_and_keeps_the_steps_output(tmp_path, 
     torch.testing.assert_close(output, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+def test_a_plan_whose_first_replay_differs_is_dropped_and_the_recorded_output_kept(tmp_path, monkeypatch):
+    runner = _wrapper_module(
+        tmp_path, "buf0 = torch.ops.compiled_engine.cpu_gemv.default(arg0_1, arg1_1, None)\nreturn (buf0, )"
+    )
+    replay = cpu_step_plan.CpuStepPlan.replay
+
+    def off_by_one(self):
+        return replay(self).add_(1.0)
+
+    monkeypatch.setattr(cpu_step_plan.CpuStepPlan, "replay", off_by_one)
+    x, weight = torch.randn(2, 40), torch.randn(24, 40)
+    output, plan, refused = record_step_plan(lambda: runner.call([x, weight])[0])
+    assert plan is None and refused == "a replay right after recording did not give the recorded output"
+    torch.testing.assert_close(output, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_a_step_without_an_inductor_wrapper_is_refused():
     output, plan, refused = record_step_plan(lambda: torch.ones(3) * 2)
     assert plan is None and "0 Inductor wrappers" in refused
