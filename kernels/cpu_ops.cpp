@@ -152,17 +152,21 @@ int64_t live_copies(std::mutex& mutex, const PackedCopies<Packed, Version>& copi
   return live;
 }
 
-// The output of a linear over x's rows with `features` outputs: `out` when given (a step plan's
-// buffer, below: checked to be that shape, x's dtype, contiguous), else a new tensor.
+// An op's output of `sizes` and `like`'s dtype: `out` when given (a step plan's buffer, below:
+// checked to be that shape and dtype, contiguous; `what` names it in the error), else a new tensor.
+at::Tensor output_of(c10::IntArrayRef sizes, const at::Tensor& like, const at::Tensor& out, const char* what) {
+  if (!out.defined()) return at::empty(sizes, like.options());
+  TORCH_CHECK_VALUE(out.sizes() == sizes && out.scalar_type() == like.scalar_type() && out.is_contiguous(), what,
+                    " must be a contiguous ", like.scalar_type(), " ", sizes, ", got ", out.scalar_type(), " ",
+                    out.sizes());
+  return out;
+}
+
+// The output of a linear over x's rows with `features` outputs (output_of).
 at::Tensor output_for(const at::Tensor& x, int64_t features, const at::Tensor& out) {
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = features;
-  if (!out.defined()) return at::empty(sizes, x.options());
-  TORCH_CHECK_VALUE(out.sizes() == c10::IntArrayRef(sizes) && out.scalar_type() == x.scalar_type() &&
-                        out.is_contiguous(),
-                    "a linear's output must be a contiguous ", x.scalar_type(), " ", c10::IntArrayRef(sizes),
-                    ", got ", out.scalar_type(), " ", out.sizes());
-  return out;
+  return output_of(sizes, x, out, "a linear's output");
 }
 
 at::Tensor cpu_gemv_into(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -616,14 +620,7 @@ at::Tensor paged_attention_cpu_into(const at::Tensor& query_in, const at::Tensor
   const at::Tensor seq_lens = as_index(seq_lens_in), query_start_loc = as_index(query_start_loc_in);
   const int64_t num_tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  at::Tensor out = out_in;
-  if (!out.defined()) {
-    out = at::empty({num_tokens, num_q_heads, head_dim}, query.options());
-  } else {
-    TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == dtype && out.is_contiguous(),
-                      "paged_attention_cpu's output must be a contiguous ", dtype, " ", query.sizes(), ", got ",
-                      out.scalar_type(), " ", out.sizes());
-  }
+  const at::Tensor out = output_of(query.sizes(), query, out_in, "paged_attention_cpu's output");
   const int64_t cache = address(kv_cache);
   // The order kernels/cpu_attention.cpp's ce_cpu_paged_attention documents.
   const std::array<int64_t, 37> ints{

@@ -167,6 +167,14 @@ def test_the_cpp_plan_names_its_bad_input():
     with pytest.raises(Exception, match=r"a linear's output must be a contiguous Float \[1, 4\]"):
         plan.run()
     assert plan.size() == 1
+    attention = torch.classes.compiled_engine.CpuStepPlan()
+    query, key = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    index = [torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), torch.tensor([0, 1])]
+    tensors = [query, key, key.clone(), torch.zeros(2, 4, 4, 1, 8), *index]
+    assert attention.add_op("paged_attention_cpu", tensors, [0.35, 0.0], [-1], torch.empty(1, 2, 4))
+    message = r"paged_attention_cpu's output must be a contiguous Float \[1, 2, 8\]"
+    with pytest.raises(Exception, match=message):
+        attention.run()
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
