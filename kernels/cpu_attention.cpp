@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_exp.h"  // exp_nonpositive, exp_nonpositive16
+#include "cpu_exp.h"  // exp_nonpositive, exp_nonpositive8, exp_nonpositive16
 
 // The library is built with -march=native, so these compile-time checks are the machine's.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -37,6 +37,10 @@
 #include <immintrin.h>
 #define CE_ATTENTION_AVX2 1
 #define CE_ATTENTION_SIMD 1
+#endif
+// int8 values in integer maths: span_values_vnni (AVX-512 VNNI) or span_values_madd (AVX2).
+#if defined(CE_ATTENTION_AVX2) || (defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__))
+#define CE_ATTENTION_INT_VALUES 1
 #endif
 
 namespace {
@@ -113,10 +117,12 @@ inline __mmask16 first_lanes(int64_t count) {
 }
 #endif
 
-// exp(x) for x <= 0 (one value; 16 lanes with AVX-512): kernels/cpu_exp.h.
+// exp(x) for x <= 0 (one value; 16 lanes with AVX-512, 8 with AVX2): kernels/cpu_exp.h.
 using ce_exp::exp_nonpositive;
 #if defined(__AVX512F__)
 using ce_exp::exp_nonpositive16;
+#elif defined(CE_ATTENTION_AVX2)
+using ce_exp::exp_nonpositive8;
 #endif
 
 #ifdef CE_ATTENTION_SIMD
@@ -256,9 +262,14 @@ inline void axpy_row(float* acc, float w, const C* row, int64_t D) {
 constexpr int64_t kAhead = 2;  // prefetch distance, in blocks
 constexpr int64_t kSpan = 4;  // blocks per online-softmax update (attend_rows)
 
-// int16 weights a query vector's span takes in span_values_vnni's layout (each block padded to an
-// even count), rounded up to even so every vector's pairs start 4-byte aligned.
-inline int64_t vnni_weights_stride(int64_t block_size) { return (kSpan * (block_size + 1) + 1) / 2 * 2; }
+// int16 weights a query vector's span takes in the integer value loops' layout (span_values_vnni,
+// span_values_madd: each block padded to an even count), rounded up to even so every vector's
+// pairs start 4-byte aligned.
+inline int64_t weight_pairs_stride(int64_t block_size) { return (kSpan * (block_size + 1) + 1) / 2 * 2; }
+
+// The integer value loops' int32 sums are exact while a span holds at most this many key pairs
+// (kMaxWeightPairs * 2 * 32767 * 128 < 2^31; span_values_vnni has the scheme).
+constexpr int64_t kMaxWeightPairs = 256;
 
 // kLocality: __builtin_prefetch's (1: into the outer caches; 3: into L1 as well).
 template <int kLocality>
@@ -446,6 +457,136 @@ void block_scores_madd(const int16_t* q16, const float* qscale, int64_t group, c
       v_store_first(scores + g * bs + j0, v_mul(v_mul(reduce_lanes(part[g]), ks), v_set1(qscale[g])), m);
   }
 }
+
+// int8 values against the softmax weights of a bf16 / fp16 query on AVX2, in integer maths with
+// vpmaddwd: span_values_vnni's scheme below (two keys' codes sign-extended to int16 and
+// interleaved, a broadcast pair of the two keys' 16-bit weights, exact int32 sums scaled into the
+// float accumulators once per span), with a multiply-add and an add where VNNI has one
+// instruction. The float loop (block_values) keeps a whole 64-dim head's accumulators in half the
+// 16 registers, so it runs one query vector at a time and widens every code to float once per
+// vector, then spends an FMA per 8 codes and vector: ~27 instructions a key and vector. Here 32
+// dims at a time for two vectors: ~13.
+
+// span_scale_factors and span_weights_vnni as span_values_vnni has them, in 8-lane vectors.
+inline bool span_scale_factors(const int8_t* const* first_row, const int64_t* span_len, int64_t num_blocks,
+                               int64_t stride_slot, int64_t scale_offset, float* factor, float* unit) {
+  int64_t n = 0;  // the span's keys
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int8_t* at = first_row[b] + scale_offset;
+    for (int64_t j = 0; j < span_len[b]; ++j) std::memcpy(factor + n++, at + j * stride_slot, sizeof(float));
+  }
+  __m256 top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 scale = _mm256_loadu_ps(factor + j);
+    top = _mm256_max_ps(top, scale);
+    total = _mm256_add_ps(total, scale);  // NaN and infinity stick in a sum of positive scales
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float smax = *std::max_element(lanes, lanes + 8);
+  float sum = v_sum(total);
+  for (; j < n; ++j) {
+    smax = std::max(smax, factor[j]);
+    sum += factor[j];
+  }
+  if (!(sum <= std::numeric_limits<float>::max()) || !(smax > 0.0f)) return false;
+  const float inv = 32767.0f / smax;
+  for (j = 0; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(factor + j, _mm256_mul_ps(_mm256_loadu_ps(factor + j), _mm256_set1_ps(inv)));
+  for (; j < n; ++j) factor[j] *= inv;
+  *unit = smax / 32767.0f;
+  return true;
+}
+
+inline void span_weights_vnni(const float* weights, int64_t sbs, int64_t group, const float* factor,
+                              const int64_t* span_len, int64_t num_blocks, int16_t* w16, int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* wg = weights + g * sbs;
+    int16_t* out = w16 + g * stride;
+    for (int64_t b = 0, offset = 0, at = 0; b < num_blocks; ++b) {
+      const int64_t m = span_len[b];
+      int64_t j = 0;
+      for (; j + 8 <= m; j += 8) {
+        const __m256i w = _mm256_cvtps_epi32(
+            _mm256_mul_ps(_mm256_loadu_ps(wg + offset + j), _mm256_loadu_ps(factor + offset + j)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at + j),
+                         _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+      }
+      // The same rounding as cvtps (the current mode: to nearest even).
+      for (; j < m; ++j) out[at + j] = static_cast<int16_t>(std::nearbyint(wg[offset + j] * factor[offset + j]));
+      if (m & 1) out[at + m] = 0;
+      offset += m;
+      at += m + (m & 1);
+    }
+  }
+}
+
+// acc[g * kHeadDim + dim0 + d] += unit * sum_j w16[g][j] * row_j[dim0 + d] for d < 32, over the
+// span's blocks, for kGroup query vectors: 4 int32 registers a vector.
+template <int kHeadDim, int kGroup>
+void span_values_madd_fixed(float* acc, const int16_t* w16, int64_t stride, float unit,
+                            const int8_t* const* first_row, const int64_t* span_len, int64_t num_blocks,
+                            int64_t stride_slot, int64_t dim0) {
+  __m256i sums[kGroup][4];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) sums[g][c] = _mm256_setzero_si256();
+  for (int64_t b = 0, at = 0; b < num_blocks; ++b) {
+    const int64_t m = span_len[b];
+    for (int64_t j = 0; j < m; j += 2, ++at) {
+      const int8_t* r0 = first_row[b] + j * stride_slot + dim0;
+      const int8_t* r1 = j + 1 < m ? r0 + stride_slot : r0;  // weight 0 past the block's end
+      __m256i w[kGroup];
+      for (int g = 0; g < kGroup; ++g) {
+        int32_t pair;  // the two keys' 16-bit weights (memcpy: int16 storage read as one int32)
+        std::memcpy(&pair, w16 + g * stride + 2 * at, sizeof pair);
+        w[g] = _mm256_set1_epi32(pair);
+      }
+      for (int c = 0; c < 2; ++c) {  // 16 dims a chunk
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + 16 * c)));
+        const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + 16 * c)));
+        const __m256i lo = _mm256_unpacklo_epi16(x0, x1);  // 128-bit lane L: dims 8L .. 8L + 3 of the chunk
+        const __m256i hi = _mm256_unpackhi_epi16(x0, x1);  // dims 8L + 4 .. 8L + 7
+        for (int g = 0; g < kGroup; ++g) {
+          sums[g][2 * c] = _mm256_add_epi32(sums[g][2 * c], _mm256_madd_epi16(lo, w[g]));
+          sums[g][2 * c + 1] = _mm256_add_epi32(sums[g][2 * c + 1], _mm256_madd_epi16(hi, w[g]));
+        }
+      }
+    }
+  }
+  // Back into dim order: a chunk's dims 0-7 are lo's and hi's low lanes, 8-15 their high lanes.
+  const __m256 u = _mm256_set1_ps(unit);
+  for (int g = 0; g < kGroup; ++g) {
+    float* a = acc + g * kHeadDim + dim0;
+    for (int c = 0; c < 2; ++c) {
+      const __m256 lo = _mm256_cvtepi32_ps(sums[g][2 * c]), hi = _mm256_cvtepi32_ps(sums[g][2 * c + 1]);
+      _mm256_storeu_ps(a + 16 * c,
+                       _mm256_fmadd_ps(_mm256_permute2f128_ps(lo, hi, 0x20), u, _mm256_loadu_ps(a + 16 * c)));
+      _mm256_storeu_ps(a + 16 * c + 8,
+                       _mm256_fmadd_ps(_mm256_permute2f128_ps(lo, hi, 0x31), u, _mm256_loadu_ps(a + 16 * c + 8)));
+    }
+  }
+}
+
+// span_values_madd_fixed over `group` query vectors, two at a time, 32 dims at a time.
+template <int kHeadDim>
+void span_values_madd(float* acc, int64_t group, const int16_t* w16, int64_t stride, float unit,
+                      const int8_t* const* first_row, const int64_t* span_len, int64_t num_blocks,
+                      int64_t stride_slot) {
+  for (int64_t g = 0; g < group;) {
+    float* a = acc + g * kHeadDim;
+    const int16_t* w = w16 + g * stride;
+    const bool two = group - g >= 2;
+    for (int64_t dim0 = 0; dim0 < kHeadDim; dim0 += 32) {
+      if (two) {
+        span_values_madd_fixed<kHeadDim, 2>(a, w, stride, unit, first_row, span_len, num_blocks, stride_slot, dim0);
+      } else {
+        span_values_madd_fixed<kHeadDim, 1>(a, w, stride, unit, first_row, span_len, num_blocks, stride_slot, dim0);
+      }
+    }
+    g += two ? 2 : 1;
+  }
+}
 #endif
 
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
@@ -566,10 +707,9 @@ void block_scores_vnni(const int8_t* qbytes, const int32_t* correction, const fl
 // scale: w16 = round(p_j * s_j * 32767 / smax), at most smax / 65534 off, a fraction of the
 // int8 code's own rounding (s_j / 2 a value) and finer than the bf16 / fp16 output's, like the
 // query's 16 bits in block_scores_vnni. The int32 sums are exact while a span holds at most
-// kVnniMaxPairs pairs (kVnniMaxPairs * 2 * 32767 * 127 < 2^31); they are scaled by smax / 32767
+// kMaxWeightPairs pairs (kMaxWeightPairs * 2 * 32767 * 127 < 2^31); they are scaled by smax / 32767
 // into the float accumulators once per span. A span with a NaN or infinite scale, or a query
 // vector whose softmax sum is not finite, takes the float loop, which lets them through as before.
-constexpr int64_t kVnniMaxPairs = 256;
 
 // The value scales of a KV head's span (first_row[b], span_len[b] rows stride_slot bytes apart),
 // times 32767 / smax, at factor[0 .. n); *unit = smax / 32767. False if a scale is NaN or infinite.
@@ -861,12 +1001,18 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
 #if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
   constexpr bool kVnni = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && kHeadDim > 0 &&
                          kHeadDim % 64 == 0 && kHeadDim <= 128;
-  // ... and its values (span_values_vnni): one KV head's span of scale factors and 16-bit weights.
-  float* factor = reinterpret_cast<float*>(qbytes + heads * kInt8QueryBytes * D);
+  constexpr bool kIntValues = kVnni;
+#elif defined(CE_ATTENTION_AVX2)
+  constexpr bool kIntValues = kMadd && kHeadDim % 32 == 0;
+#endif
+#if defined(CE_ATTENTION_INT_VALUES)
+  // ... and its values (span_values_vnni / _madd): one KV head's span of scale factors and 16-bit
+  // weights, after the query's 4 bytes a head dim (the work's sizing in paged_attention_cpu).
+  float* factor = reinterpret_cast<float*>(qbytes + heads * 4 * D);
   int16_t* w16 = reinterpret_cast<int16_t*>(factor + sbs);
-  const int64_t w16_stride = vnni_weights_stride(bs);
-  // The span's int32 sums stay exact (span_values_vnni) for blocks of up to ~127 keys.
-  const bool vnni_values = kSpan * (bs + 1) <= 2 * kVnniMaxPairs;
+  const int64_t w16_stride = weight_pairs_stride(bs);
+  // The span's int32 sums stay exact for blocks of up to ~127 keys.
+  const bool int_values = kSpan * (bs + 1) <= 2 * kMaxWeightPairs;
 #endif
 
   int64_t position = -1;  // row t0's; row t0 + r is at position + r
@@ -1028,6 +1174,17 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         const __mmask16 keep = first_lanes(n - j);
         block_max = std::max(block_max, _mm512_mask_reduce_max_ps(keep, _mm512_maskz_loadu_ps(keep, si + j)));
       }
+#elif defined(CE_ATTENTION_AVX2)
+      {
+        // max(x, top): a NaN score is passed over, as std::max below does.
+        __m256 top = _mm256_set1_ps(block_max);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) top = _mm256_max_ps(_mm256_loadu_ps(si + j), top);
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, top);
+        for (const float lane : lanes) block_max = std::max(block_max, lane);
+        for (; j < n; ++j) block_max = std::max(block_max, si[j]);
+      }
 #else
       for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
 #endif
@@ -1048,6 +1205,21 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         }
         block_sum = _mm512_reduce_add_ps(sum);
       }
+#elif defined(CE_ATTENTION_AVX2)
+      {
+        __m256 sum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+          const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(si + j), _mm256_set1_ps(block_max)));
+          _mm256_storeu_ps(si + j, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        block_sum = v_sum(sum);
+        for (; j < n; ++j) {
+          si[j] = exp_nonpositive(si[j] - block_max);
+          block_sum += si[j];
+        }
+      }
 #else
       {
 #pragma omp simd reduction(+ : block_sum)
@@ -1063,11 +1235,11 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         for (int64_t d = 0; d < D; ++d) ai[d] *= correction;
       }
     }
-    // Heads whose span of values went through span_values_vnni (bit h - head_begin).
-    [[maybe_unused]] uint64_t vnni_heads = 0;
-#if defined(CE_ATTENTION_AVX512) && defined(__AVX512VNNI__)
-    if constexpr (kVnni) {
-      if (fast && vnni_values && head_end - head_begin <= 64) {
+    // Heads whose span of values went through the integer loop (bit h - head_begin).
+    [[maybe_unused]] uint64_t int_heads = 0;
+#if defined(CE_ATTENTION_INT_VALUES)
+    if constexpr (kIntValues) {
+      if (fast && int_values && head_end - head_begin <= 64) {
         for (int64_t h = head_begin; h < head_end; ++h) {
           const int64_t i0 = (h - head_begin) * qgroup;
           bool finite = true;  // every vector's softmax sum: no NaN or infinite weight
@@ -1079,9 +1251,14 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
               !span_scale_factors(first_row, span_len, num_blocks, pb.stride_slot, pb.scale_offset, factor, &unit))
             continue;  // the float loop below
           span_weights_vnni(scores + i0 * sbs, sbs, qgroup, factor, span_len, num_blocks, w16, w16_stride);
+#if defined(CE_ATTENTION_AVX2)
+          span_values_madd<kHeadDim>(acc + i0 * D, qgroup, w16, w16_stride, unit, first_row, span_len, num_blocks,
+                                     pb.stride_slot);
+#else
           span_values_vnni<kHeadDim>(acc + i0 * D, qgroup, w16, w16_stride, unit, first_row, span_len, num_blocks,
                                      pb.stride_slot);
-          vnni_heads |= uint64_t{1} << (h - head_begin);
+#endif
+          int_heads |= uint64_t{1} << (h - head_begin);
         }
       }
     }
@@ -1099,7 +1276,7 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         if (fast) {
           for (int64_t h = head_begin; h < head_end; ++h) {
             const int64_t i0 = (h - head_begin) * qgroup;
-            if (vnni_heads & (uint64_t{1} << (h - head_begin))) continue;  // done for the span above
+            if (int_heads & (uint64_t{1} << (h - head_begin))) continue;  // done for the span above
             block_values<C, kHeadDim, quantized<T, C>()>(acc + i0 * D, qgroup, scores + i0 * sbs + offset, sbs,
                                                          values + first_slot + h * pb.stride_head, pb.stride_slot, m,
                                                          pb.scale_offset);
@@ -1172,7 +1349,7 @@ void run(const Problem& pb, int num_threads) {
   // q, acc, scores, max, sum; then the int8-key query's scales, corrections and bytes (4 a value);
   // then the int8 values' span scale factors and 16-bit weights (attend_rows).
   const int64_t work_floats = heads * (2 * pb.head_dim + kSpan * pb.block_size + 2) + heads * (2 + pb.head_dim) +
-                              kSpan * pb.block_size + heads * vnni_weights_stride(pb.block_size) / 2;
+                              kSpan * pb.block_size + heads * weight_pairs_stride(pb.block_size) / 2;
 #pragma omp parallel num_threads(num_threads)
   {
     // The write first; the loop's barrier keeps every read after it. Padding rows all land on

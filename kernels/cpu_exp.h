@@ -1,4 +1,4 @@
-// exp(x) for x <= 0 in float32, one value or 16 lanes, for the CPU kernels that include it
+// exp(x) for x <= 0 in float32, one value, 8 lanes (AVX2) or 16 (AVX-512), for the CPU kernels that include it
 // (kernels/cpu_attention.cpp's online softmax, kernels/cpu_sampler.cpp's temperature draw);
 // kernels/cpu_attention_build.py keys a library by its source and the headers of this folder it
 // includes.
@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,25 @@ inline __m512 exp_nonpositive16(__m512 x) {
   const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_max_ps(n, _mm512_set1_ps(-126.0f))), _mm512_set1_epi32(127));
   const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), r);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive for 8 lanes at once (AVX2 + FMA), the same steps.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 f = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_max_ps(n, _mm256_set1_ps(-126.0f))), _mm256_set1_epi32(127));
+  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+  // Lanes below -87 (-inf included) give 0; a NaN lane keeps r's NaN.
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ), r);
 }
 #endif
 

@@ -50,7 +50,7 @@ CASES = {
         {},
     ),
     # Blocks of 128 keys: a span's int32 sums would not stay exact, so int8 values take the float
-    # loop (span_values_vnni serves blocks of up to 127).
+    # loop (the integer value loops serve blocks of up to 127).
     "gqa2_d64_bs128_float_values": (
         [(300, 1), (130, 2)],
         dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=128),
@@ -123,10 +123,11 @@ def test_writes_the_references_codes_for_ties_subnormals_and_extremes(dtype):
 
 
 def test_int8_values_sums_are_exact_at_the_largest_block_the_integer_loop_takes():
-    # span_values_vnni sums a span's 16-bit weights times codes in int32: at blocks of 127 keys a
-    # span is 4 x 127 keys, and a flat softmax (a zero query: every weight the span's largest,
-    # 32767) over values whose codes are all 127 gives 508 * 32767 * 127, just under 2^31. Any
-    # overflow would show as a wrong sign or size; the output must be the value itself.
+    # The integer value loops (span_values_vnni; span_values_madd on AVX2) sum a span's 16-bit
+    # weights times codes in int32: at blocks of 127 keys a span is 4 x 127 keys, and a flat
+    # softmax (a zero query: every weight the span's largest, 32767) over values whose codes are
+    # all 127 gives 508 * 32767 * 127, just under 2^31. Any overflow would show as a wrong sign or
+    # size; the output must be the value itself.
     batch = make_attention_batch(
         [(4 * 127 * 2 + 5, 1)],
         num_q_heads=2,
@@ -213,7 +214,14 @@ def test_a_build_for_another_target_writes_and_reads_the_same(target, monkeypatc
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     if target == "avx2":
         assert cpu_attention_build.load().ce_cpu_attention_simd_bits() == 256
-        cases = ["decode_gqa_d64_bs16", "prefill_g8_d128_window"]
+        # ... and the integer value loop's pairs (odd blocks, blocks of 32, its float fallback).
+        cases = [
+            "decode_gqa_d64_bs16",
+            "prefill_g8_d128_window",
+            "gqa4_d64_bs7_odd_blocks",
+            "mha_d128_bs32_partial",
+            "gqa2_d64_bs128_float_values",
+        ]
     else:
         cases = ["odd_heads_d20_bs5_softcap_padding"]
     for case in cases:
