@@ -8,7 +8,7 @@ real text from a fixed table, no sampling maths). What a step then costs is the 
 schedule + stage + load + sampling bookkeeping + update + outputs.
 
     python -m bench.null_model [--running 1 64 256] [--steps 200] [--output-kind KIND ...]
-                               [--profile cprofile.out] [--phases]
+                               [--profile cprofile.out] [--phases] [--stream-mb MB]
 
 `--output-kind` sets the requests' `SamplingParams.output_kind`: `final_only` is what
 `LLM.generate` asks of the engine, `delta` what the server's engine asks, `cumulative` the
@@ -17,6 +17,12 @@ engine's default for a direct `LLMEngine` user (every step a snapshot of every r
 `--phases` also reports the median wall time of each stage of a step: the scheduler's `schedule`
 and `update`, the runner's `launch` (staging, loading, the null graph and sampler) and `collect`,
 and the output processor's `process`.
+
+`--stream-mb MB` makes the null step graph read MB megabytes (a float32 tensor summed on the
+step's threads) where the forward would run, as a real model's decode step reads its weights:
+on the CPU that read evicts the host's code and data from the caches, so the host work after it
+runs as it does beside a real model (docs/performance.md measures how much slower). The read's
+own time is left out of the step times reported.
 
 `bench/test_host_overhead.py` times the same steps under pytest-benchmark.
 """
@@ -60,12 +66,25 @@ class NullStepGraph:
     attention_backend = None
     last_call: GraphCall | None = GraphCall(EAGER, EAGER)
 
-    def __init__(self, buffers: StepInputs, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, buffers: StepInputs, vocab_size: int, device: torch.device, stream_bytes: int = 0
+    ) -> None:
         self.runtime = runtime_for(device)
         self.builds: dict = {}
         self._logits = torch.zeros(buffers.logits_indices.shape[0], vocab_size, device=device)
+        # What a forward would read (--stream-mb), and the seconds and calls spent reading it.
+        # (Seconds of wall time, and of this thread's CPU time: the sum runs on every thread.)
+        self._stream = torch.ones(stream_bytes // 4, device=device) if stream_bytes > 0 else None
+        self.stream_s = self.stream_cpu_s = 0.0
+        self.num_streams = 0
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        if self._stream is not None:
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            self._stream.sum()
+            self.stream_s += time.perf_counter() - started
+            self.stream_cpu_s += time.thread_time() - started_cpu
+            self.num_streams += 1
         return self._logits[: inputs.logits_indices.shape[0]]
 
     def status(self) -> GraphStatus:
@@ -108,12 +127,12 @@ class NullSampler:
 
 
 @contextlib.contextmanager
-def _null_step_graphs(vocab_size: int) -> Iterator[None]:
+def _null_step_graphs(vocab_size: int, stream_bytes: int = 0) -> Iterator[None]:
     """Runners built inside get a `NullStepGraph` instead of a traced model."""
     real = model_runner.build_step_graph
 
     def build(model, kv_caches, buffers, config, **_ignored):
-        return NullStepGraph(buffers, vocab_size, config.device)
+        return NullStepGraph(buffers, vocab_size, config.device, stream_bytes)
 
     model_runner.build_step_graph = build  # type: ignore[assignment]
     try:
@@ -122,9 +141,10 @@ def _null_step_graphs(vocab_size: int) -> Iterator[None]:
         model_runner.build_step_graph = real  # type: ignore[assignment]
 
 
-def null_engine(max_num_seqs: int, **options) -> LLMEngine:
+def null_engine(max_num_seqs: int, stream_bytes: int = 0, **options) -> LLMEngine:
     """The engine on the embedded model (its tokenizer, its vocabulary), with the null step graph
-    and sampler, sized for `max_num_seqs` requests decoding to MAX_MODEL_LEN."""
+    (reading `stream_bytes` a step: `--stream-mb`) and sampler, sized for `max_num_seqs` requests
+    decoding to MAX_MODEL_LEN."""
     model_dir = default_model_dir()
     from transformers import AutoConfig
 
@@ -141,7 +161,7 @@ def null_engine(max_num_seqs: int, **options) -> LLMEngine:
         num_kv_blocks=max_num_seqs * (MAX_MODEL_LEN // BLOCK_SIZE),
         **options,
     )
-    with _null_step_graphs(vocab_size):
+    with _null_step_graphs(vocab_size, stream_bytes):
         engine = LLMEngine(args)
     runner = engine.model_runner
     text = _text_token_ids(engine.tokenizer)
@@ -197,13 +217,17 @@ def stop_all(engine: LLMEngine, request_ids: list[str]) -> None:
 
 def time_steps(engine: LLMEngine, num_steps: int) -> tuple[list[float], list[float]]:
     """Wall seconds, and this thread's CPU seconds, of each of `num_steps` engine steps (on a
-    shared machine the CPU time leaves out the time other processes held the core)."""
+    shared machine the CPU time leaves out the time other processes held the core), without the
+    null graph's `--stream-mb` read."""
+    graph = engine.model_runner.step_graph
     wall, cpu = [], []
     for _ in range(num_steps):
+        streamed, streamed_cpu = graph.stream_s, graph.stream_cpu_s
         started, started_cpu = time.perf_counter(), time.thread_time()
         engine.step()
-        wall.append(time.perf_counter() - started)
-        cpu.append(time.thread_time() - started_cpu)
+        ended, ended_cpu = time.perf_counter(), time.thread_time()
+        wall.append(ended - started - (graph.stream_s - streamed))
+        cpu.append(ended_cpu - started_cpu - (graph.stream_cpu_s - streamed_cpu))
     return wall, cpu
 
 
@@ -227,14 +251,16 @@ def timed_phases(engine: LLMEngine) -> Iterator[dict[str, list[float]]]:
         "output_processor": engine.output_processor,
     }
     seconds: dict[str, list[float]] = {name: [] for _, name in PHASES}
+    graph = engine.model_runner.step_graph
 
     def timed(real, calls: list[float]):
         def call(*args, **kwargs):
+            streamed = graph.stream_s  # the launch's --stream-mb read is left out, as time_steps does
             started = time.perf_counter()
             try:
                 return real(*args, **kwargs)
             finally:
-                calls.append(time.perf_counter() - started)
+                calls.append(time.perf_counter() - started - (graph.stream_s - streamed))
 
         return call
 
@@ -259,10 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", help="write a cProfile of the timed steps to this file")
     parser.add_argument("--phases", action="store_true", help="also report each stage's median wall time")
+    parser.add_argument(
+        "--stream-mb",
+        type=float,
+        default=0.0,
+        help="megabytes the null step graph reads a step, as a model's weights (left out of the times)",
+    )
     args = parser.parse_args(argv)
     if args.steps > MAX_TOKENS - WARMUP_STEPS:
         parser.error(f"--steps must be at most {MAX_TOKENS - WARMUP_STEPS}: the requests end after that")
-    engine = null_engine(max(args.running))
+    if args.stream_mb < 0:
+        parser.error(f"--stream-mb must be 0 or more, got {args.stream_mb}")
+    engine = null_engine(max(args.running), stream_bytes=int(args.stream_mb * 1024 * 1024))
     for num_running in args.running:
         for kind in args.output_kind:
             request_ids = start_decoding(engine, num_running, output_kind=RequestOutputKind(kind))
