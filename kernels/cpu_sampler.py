@@ -103,7 +103,7 @@ def _row_stride(logits: torch.Tensor) -> int:
 
 def greedy_pick(logits: torch.Tensor, simd: bool = True) -> torch.Tensor:
     """`logits.argmax(dim=-1)` for 2-D CPU logits (see the module docstring). `simd=False` forces
-    the plain loops, as on a CPU without AVX-512 (tests)."""
+    the plain loops, as on a CPU without AVX-512 or AVX2 (tests)."""
     logits = _rows_of(logits, "greedy_pick")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64)

@@ -39,7 +39,7 @@ def _rows(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return logits.to(dtype)
 
 
-@pytest.mark.parametrize("simd", [True, False], ids=["avx512", "plain"])
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_argmax(dtype, simd) -> None:
     for vocab in VOCABS:
@@ -118,7 +118,7 @@ def _bracketed(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.T
         assert w[r, k] > 0, (r, k)  # never a token of zero weight
 
 
-@pytest.mark.parametrize("simd", [True, False], ids=["avx512", "plain"])
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_draw_lands_where_u_falls(dtype, simd) -> None:
     for vocab in (1, 7, 16, 17, 250, 4097):
@@ -197,9 +197,11 @@ def test_bad_draw_input_is_named(temperature, uniform, message) -> None:
 
 
 @pytest.mark.slow  # a second build of the library: a few seconds of g++
-def test_a_build_without_avx512_picks_and_draws_alike(monkeypatch, tmp_path) -> None:
-    """Built for baseline x86-64 (no AVX-512 paths compiled in), `simd` changes nothing and the
-    plain loops answer as above."""
+@pytest.mark.parametrize("target", ["baseline", "avx2"])
+def test_a_build_without_avx512_picks_and_draws_alike(target, monkeypatch, tmp_path) -> None:
+    """Built for baseline x86-64 (no vector paths compiled in: `simd` changes nothing, the plain
+    loops answer) or for x86-64-v3 (the AVX2 paths), the picks and draws answer as above, bf16,
+    fp16 and float32, NaN rows and tails past whole vectors included."""
     import ctypes
     import platform
 
@@ -207,15 +209,23 @@ def test_a_build_without_avx512_picks_and_draws_alike(monkeypatch, tmp_path) -> 
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the baseline build is x86-64's")
-    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in cpu_attention_build.FLAGS)
+    if target == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
+    march = "-march=x86-64" if target == "baseline" else "-march=x86-64-v3"
+    flags = tuple(march if f == "-march=native" else f for f in cpu_attention_build.FLAGS)
     monkeypatch.setattr(cpu_attention_build, "FLAGS", flags)
     library = ctypes.CDLL(str(cpu_attention_build.build(tmp_path, cpu_sampler.SOURCE)))
     cpu_sampler._declare(library)
-    assert library.ce_cpu_sampler_simd() == 0
-    logits = _rows(12, 4097, torch.bfloat16, seed=9)
+    assert library.ce_cpu_sampler_simd() == (0 if target == "baseline" else 256)
     out = torch.empty(12, dtype=torch.int64)
-    assert library.ce_cpu_greedy(logits.data_ptr(), 12, 4097, 4097, 1, 1, 2, out.data_ptr()) == 0
-    assert torch.equal(out, logits.argmax(dim=-1))
+    for dtype in DTYPES:
+        logits = _rows(12, 4097, dtype, seed=9)
+        logits[3, 2050] = float("nan")
+        code = library.ce_cpu_greedy(
+            logits.data_ptr(), 12, 4097, 4097, cpu_sampler.SAMPLER_DTYPES[dtype], 1, 2, out.data_ptr()
+        )
+        assert code == 0
+        assert torch.equal(out, logits.argmax(dim=-1)), dtype
     logits = torch.randn(12, 4097, generator=torch.Generator().manual_seed(9))
     temperature, uniform = torch.full((12,), 0.7), torch.rand(12, generator=torch.Generator().manual_seed(10))
     code = library.ce_cpu_temperature_draw(
@@ -223,3 +233,12 @@ def test_a_build_without_avx512_picks_and_draws_alike(monkeypatch, tmp_path) -> 
     )
     assert code == 0
     _bracketed(logits, temperature, uniform, out)
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.split(":", 1)[-1].split())
