@@ -1007,7 +1007,7 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
 #endif
 #if defined(CE_ATTENTION_INT_VALUES)
   // ... and its values (span_values_vnni / _madd): one KV head's span of scale factors and 16-bit
-  // weights, after the query's 4 bytes a head dim (the work's sizing in paged_attention_cpu).
+  // weights, after the query's 4 bytes a head dim (as run sizes the work).
   float* factor = reinterpret_cast<float*>(qbytes + heads * 4 * D);
   int16_t* w16 = reinterpret_cast<int16_t*>(factor + sbs);
   const int64_t w16_stride = weight_pairs_stride(bs);

@@ -106,6 +106,41 @@ int64_t draw_portable(const void* row, int64_t n, int dtype, float t, float u, f
   return pick_portable(row, n, dtype);  // u * total rounded up to the total: the likeliest
 }
 
+#if defined(CE_SAMPLER_AVX512) || defined(CE_SAMPLER_AVX2)
+// The vector draws' second half: the weights past the whole vectors (whole .. n), then the walk
+// over the groups' sums (groups of them, kGroup weights each but the last) and the crossing
+// group's weights to the first index whose running sum exceeds u * total; -1 when rounding puts
+// u * total at the total (the caller answers the argmax).
+int64_t walk_to_draw(const void* row, int64_t n, int dtype, float t, float u, int64_t whole, float* weights,
+                     const float* sums, int64_t groups, float top) {
+  float tail = 0.0f;
+  for (int64_t i = whole; i < n; ++i) {
+    weights[i] = exp_nonpositive((load_one(row, i, dtype) - top) * (1.0f / t));
+    tail += weights[i];
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < groups; ++j) total += sums[j];
+  total += tail;
+  const float target = u * total;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < groups; ++j) {
+    if (sum + sums[j] > target) {  // the crossing is in this group (or rounding puts it past)
+      for (int64_t i = kGroup * j, stop = std::min(kGroup * (j + 1), whole); i < stop; ++i) {
+        sum += weights[i];
+        if (sum > target) return i;
+      }
+      continue;  // the group's own sum rounded differently: go on from where its values left off
+    }
+    sum += sums[j];
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    sum += weights[i];
+    if (sum > target) return i;
+  }
+  return -1;
+}
+#endif
+
 #ifdef CE_SAMPLER_AVX512
 // Values i .. i + 15 of the row as floats.
 inline __m512 load16(const void* row, int64_t i, int dtype) {
@@ -180,31 +215,8 @@ int64_t draw_avx512(const void* row, int64_t n, int dtype, float t, float u, flo
       group_sum = _mm512_setzero_ps();
     }
   }
-  float tail = 0.0f;
-  for (int64_t i = whole; i < n; ++i) {
-    weights[i] = exp_nonpositive((load_one(row, i, dtype) - top) * (1.0f / t));
-    tail += weights[i];
-  }
-  float total = 0.0f;
-  for (int64_t j = 0; j < groups; ++j) total += sums[j];
-  total += tail;
-  const float target = u * total;
-  float sum = 0.0f;
-  for (int64_t j = 0; j < groups; ++j) {
-    if (sum + sums[j] > target) {  // the crossing is in this group (or rounding puts it past)
-      for (int64_t i = kGroup * j, stop = std::min(kGroup * (j + 1), whole); i < stop; ++i) {
-        sum += weights[i];
-        if (sum > target) return i;
-      }
-      continue;  // the group's own sum rounded differently: go on from where its values left off
-    }
-    sum += sums[j];
-  }
-  for (int64_t i = whole; i < n; ++i) {
-    sum += weights[i];
-    if (sum > target) return i;
-  }
-  return pick_avx512(row, n, dtype);  // u * total rounded up to the total: the likeliest
+  const int64_t token = walk_to_draw(row, n, dtype, t, u, whole, weights, sums, groups, top);
+  return token >= 0 ? token : pick_avx512(row, n, dtype);  // -1: u * total rounded up to the total, the likeliest
 }
 #endif
 
@@ -291,31 +303,8 @@ int64_t draw_avx2(const void* row, int64_t n, int dtype, float t, float u, float
       group_sum = _mm256_setzero_ps();
     }
   }
-  float tail = 0.0f;
-  for (int64_t i = whole; i < n; ++i) {
-    weights[i] = exp_nonpositive((load_one(row, i, dtype) - top) * (1.0f / t));
-    tail += weights[i];
-  }
-  float total = 0.0f;
-  for (int64_t j = 0; j < groups; ++j) total += sums[j];
-  total += tail;
-  const float target = u * total;
-  float sum = 0.0f;
-  for (int64_t j = 0; j < groups; ++j) {
-    if (sum + sums[j] > target) {  // the crossing is in this group (or rounding puts it past)
-      for (int64_t i = kGroup * j, stop = std::min(kGroup * (j + 1), whole); i < stop; ++i) {
-        sum += weights[i];
-        if (sum > target) return i;
-      }
-      continue;  // the group's own sum rounded differently: go on from where its values left off
-    }
-    sum += sums[j];
-  }
-  for (int64_t i = whole; i < n; ++i) {
-    sum += weights[i];
-    if (sum > target) return i;
-  }
-  return pick_avx2(row, n, dtype);  // u * total rounded up to the total: the likeliest
+  const int64_t token = walk_to_draw(row, n, dtype, t, u, whole, weights, sums, groups, top);
+  return token >= 0 ? token : pick_avx2(row, n, dtype);  // -1: u * total rounded up to the total, the likeliest
 }
 #endif
 
