@@ -197,6 +197,11 @@ inline float v_sum(Vec v) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
+inline float v_max(Vec v) {  // a NaN lane may or may not win: callers have none, or check apart
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
 inline void v_store_first(float* p, Vec v, int64_t m) {
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, v);
@@ -482,9 +487,7 @@ inline bool span_scale_factors(const int8_t* const* first_row, const int64_t* sp
     top = _mm256_max_ps(top, scale);
     total = _mm256_add_ps(total, scale);  // NaN and infinity stick in a sum of positive scales
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float smax = *std::max_element(lanes, lanes + 8);
+  float smax = v_max(top);
   float sum = v_sum(total);
   for (; j < n; ++j) {
     smax = std::max(smax, factor[j]);
@@ -1180,9 +1183,7 @@ void attend_rows(const Problem& pb, int64_t t0, int64_t num_rows, int64_t head_b
         __m256 top = _mm256_set1_ps(block_max);
         int64_t j = 0;
         for (; j + 8 <= n; j += 8) top = _mm256_max_ps(_mm256_loadu_ps(si + j), top);
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, top);
-        for (const float lane : lanes) block_max = std::max(block_max, lane);
+        block_max = v_max(top);  // top started at block_max
         for (; j < n; ++j) block_max = std::max(block_max, si[j]);
       }
 #else
