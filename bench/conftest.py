@@ -27,7 +27,7 @@ from bench.workloads import SIZE_PROFILES, BenchSizes, fixed_requests, sizes_for
 
 SYSTEMS = ("ours", "hf")
 # The suites a `--peer` joins (each peer runs the same requests there).
-PEER_SUITES = ("test_decode", "test_throughput")
+PEER_SUITES = ("test_decode", "test_decode_interleaved", "test_throughput")
 BENCH_DTYPES = ("float32", "bfloat16")
 BENCH_QUANTIZATIONS = ("int8", "int4")
 

@@ -17,7 +17,8 @@ import pytest
 from bench import report
 from bench.peers.llamacpp import batched_bench_argv, mixed_argv, parse_jsonl
 from bench.peers.spec import PeerSpec, missing_reason, parse_peer, parse_peers
-from bench.runners import EngineSettings
+from bench.runners import EngineSettings, RunResult
+from bench.test_decode_interleaved import interleaved_summary
 from bench.workloads import sizes_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,12 +95,32 @@ def test_bench_suites_skip_a_peer_that_is_not_installed(tmp_path):
     """The peers' tests exist beside ours and HF's, and skip (no crash) where nothing is installed."""
     no_venv, no_dir = tmp_path / "no-venv" / "bin" / "python", tmp_path / "no-dir"
     proc = _run_pytest(
-        tmp_path, "bench/test_decode.py", "bench/test_throughput.py", "-k", "vllm or llamacpp", "-rs",
-        "--peer", f"vllm={no_venv}", "--peer", f"llamacpp={no_dir}",
+        tmp_path, "bench/test_decode.py", "bench/test_decode_interleaved.py", "bench/test_throughput.py",
+        "-k", "vllm or llamacpp", "-rs", "--peer", f"vllm={no_venv}", "--peer", f"llamacpp={no_dir}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "4 skipped" in proc.stdout, proc.stdout[-3000:]
+    # decode, decode interleaved and throughput: one row per peer each at smoke size.
+    assert "6 skipped" in proc.stdout, proc.stdout[-3000:]
     assert "vllm: not installed" in proc.stdout and "llamacpp: not installed" in proc.stdout
+
+
+def test_interleaved_summary_pairs_the_rounds_in_order():
+    # Per pair: ours' and the peer's TPOT (decode_s / steps) and end-to-end time.
+    ours = [RunResult(0.30, 64, 0.126, 63), RunResult(0.20, 64, 0.063, 63), RunResult(0.25, 64, 0.189, 63)]
+    peer = [RunResult(0.40, 64, 0.189, 63), RunResult(0.10, 64, 0.126, 63), RunResult(0.50, 64, 0.252, 63)]
+    summary = interleaved_summary(ours, peer)
+    assert summary["ours_round_tpot_s"] == pytest.approx([0.002, 0.001, 0.003])
+    assert summary["peer_round_tpot_s"] == pytest.approx([0.003, 0.002, 0.004])
+    assert summary["tpot_ratio"] == pytest.approx(0.002 / 0.003)
+    assert summary["elapsed_ratio"] == pytest.approx(0.25 / 0.40)
+    assert summary["ours_faster_pairs"] == 3
+    # A pair whose peer was faster is not counted.
+    peer[1] = RunResult(0.10, 64, 0.0315, 63)
+    assert interleaved_summary(ours, peer)["ours_faster_pairs"] == 2
+    with pytest.raises(ValueError, match="no TPOT"):
+        interleaved_summary([RunResult(0.3, 64)], [RunResult(0.4, 64, 0.1, 63)])
+    with pytest.raises(ValueError):  # the pairs must match one to one
+        interleaved_summary(ours, peer[:2])
 
 
 def test_a_bad_peer_value_stops_the_bench_session_with_its_reason(tmp_path):
