@@ -1,9 +1,9 @@
 """Decode beside a peer, round by round: ours and the peer alternate in one test (#19).
 
 bench/test_decode.py runs every round of ours, then every round of each peer. On a machine whose
-speed drifts between minutes (docs/benchmarks.md: the AMD VM's one-request rows moved from 0.87x
-to 1.06x llama.cpp between runs of the same code), a ratio near 1 then says as much about when
-each system ran as about either. Here a pair is one round of ours and one call of the peer (its
+speed drifts between minutes (docs/benchmarks.md, session 26: two runs of the same code at one
+request read 1.06x and 0.83x llama.cpp), a ratio near 1 then says as much about when each system
+ran as about either. Here a pair is one round of ours and one call of the peer (its
 own warm-up round in its own process, then one timed round), ours first in even pairs and the
 peer first in odd ones, so both sides see the same stretches of the machine.
 
