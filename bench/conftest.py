@@ -169,6 +169,22 @@ class BenchSession:
 
         return int(json.loads((self.model_dir(name) / "config.json").read_text())["vocab_size"])
 
+    def warm_requests(self, name: str) -> list:
+        """Requests of a few shapes that every system runs first, so first-call costs are not
+        charged to the first test."""
+        return fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
+
+    def decode_requests(self, name: str, concurrency: int) -> list:
+        """The decode suites' requests: `concurrency` of the profile's prompt and output lengths
+        (skips the test when the model cannot hold them)."""
+        s = self.sizes
+        max_model_len = self.settings(name).max_model_len
+        if s.decode_prompt_len + s.decode_output_len > max_model_len:
+            pytest.skip(f"{name} holds {max_model_len} tokens: too few for the decode lengths")
+        return fixed_requests(
+            concurrency, s.decode_prompt_len, s.decode_output_len, self.vocab_size(name), seed=concurrency
+        )
+
     def settings(self, name: str) -> EngineSettings:
         s = self.sizes
         longest = max(
@@ -202,8 +218,7 @@ class BenchSession:
                 self._engines[key] = default
         if key not in self._engines:
             llm = load_engine(self.model_dir(name), self.settings(name), self.dtype, **options)
-            # Requests of a few shapes first, so first-call costs are not charged to the first test.
-            warm = fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
+            warm = self.warm_requests(name)
             run_engine_generate(llm, warm)
             run_engine_generate(llm, warm[:1])
             self._engines[key] = llm
@@ -214,7 +229,7 @@ class BenchSession:
             from bench.runners import run_hf_generate
 
             model = load_hf(self.model_dir(name), self.dtype)
-            run_hf_generate(model, fixed_requests(4, 16, 4, self.vocab_size(name), seed=99), 4)
+            run_hf_generate(model, self.warm_requests(name), 4)
             self._hf[name] = model
         return self._hf[name]
 
@@ -225,7 +240,7 @@ class BenchSession:
 
         The peer times its rounds in its own process after its own warm-up; pytest-benchmark times
         the one call that fetches them, which the report does not read for peers (timed_in)."""
-        warm = fixed_requests(4, 16, 4, self.vocab_size(name), seed=99)
+        warm = self.warm_requests(name)
         args = (system, self.model_dir(name), self.dtype, self.settings(name), warm, requests)
         results: list = []
 

@@ -7,23 +7,14 @@ request has its first token to the last token) / (decode steps in that window), 
 
 from __future__ import annotations
 
-import pytest
-
 from bench.conftest import measured, record
 from bench.runners import run_engine_decode, run_hf_decode
-from bench.workloads import fixed_requests
 
 WARMUP_ROUNDS = 1
 
 
 def test_decode(benchmark, bench_session, sizes, model_name, system, concurrency):
-    max_model_len = bench_session.settings(model_name).max_model_len
-    if sizes.decode_prompt_len + sizes.decode_output_len > max_model_len:
-        pytest.skip(f"{model_name} holds {max_model_len} tokens: too few for the decode lengths")
-    vocab = bench_session.vocab_size(model_name)
-    requests = fixed_requests(
-        concurrency, sizes.decode_prompt_len, sizes.decode_output_len, vocab, seed=concurrency
-    )
+    requests = bench_session.decode_requests(model_name, concurrency)
     benchmark.group = f"decode {model_name} concurrency={concurrency}"
     if system not in ("ours", "hf"):  # a --peer: it times its own rounds (bench/peers/)
         results = bench_session.peer_results(

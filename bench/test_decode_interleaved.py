@@ -24,7 +24,6 @@ import pytest
 
 from bench.peers.runs import PeerUnavailable
 from bench.runners import RunResult, run_engine_decode
-from bench.workloads import fixed_requests
 
 PAIRS = {"full": 9, "quick": 5, "smoke": 1}
 PEER_WARMUP_ROUNDS = 1  # per peer call: llama.cpp starts a process (and loads the model) per call
@@ -33,19 +32,12 @@ PEER_WARMUP_ROUNDS = 1  # per peer call: llama.cpp starts a process (and loads t
 def test_decode_interleaved(benchmark, bench_session, sizes, model_name, system, concurrency):
     if system in ("ours", "hf"):
         pytest.skip("the rows are a --peer's, with ours beside it")
-    max_model_len = bench_session.settings(model_name).max_model_len
-    if sizes.decode_prompt_len + sizes.decode_output_len > max_model_len:
-        pytest.skip(f"{model_name} holds {max_model_len} tokens: too few for the decode lengths")
-    vocab = bench_session.vocab_size(model_name)
-    requests = fixed_requests(
-        concurrency, sizes.decode_prompt_len, sizes.decode_output_len, vocab, seed=concurrency
-    )
+    requests = bench_session.decode_requests(model_name, concurrency)
     llm = bench_session.engine(model_name)
     run_engine_decode(llm, requests)  # warm-up: every decode bucket of this batch compiled and captured
-    warm = fixed_requests(4, 16, 4, vocab, seed=99)
     peer_args = (
         system, bench_session.model_dir(model_name), bench_session.dtype, bench_session.settings(model_name),
-        warm, requests,
+        bench_session.warm_requests(model_name), requests,
     )  # fmt: skip
     ours: list[RunResult] = []
     peer: list[RunResult] = []
