@@ -23,15 +23,20 @@ profiling on, and each profiled event's own time is put in one group:
 
 Decode buckets run Inductor's Python wrapper here unless --max-cpu-plan-tokens says otherwise: a
 step plan (graphs/cpu_step_plan.py) makes the same kernel calls from C++, which the profiler does
-not see one by one (bench/test_step_plan.py times plans against the wrapper).
+not see one by one (bench/test_step_plan.py times plans against the wrapper). `--plan-calls`
+profiles the step as the engine runs it by default, plan and all, without torch.profiler: the
+plan times each of its calls itself (kernels/cpu_ops.cpp's CpuStepPlan), and everything else in
+the step (the graph call's own work, schedule, staging, sampling, update, outputs) is "outside the
+plan's calls". Those steps run at their normal speed, so this is also the split to set beside a
+TPOT.
 
 The groups hold for buckets whose linears stay GEMMs. In GEMV-lowered buckets (a few rows,
 graphs/gemv_policy.py) Inductor fuses the linears' multiply-sums with neighbouring kernels, the
 attention's included, and the groups blur.
 
 Needs its own compile cache (Inductor's kernel profiling changes the generated code), so it
-uses a temporary one unless COMPILED_ENGINE_CACHE_DIR is set; cold, it compiles the buckets it
-needs (~1 min). Run it on an otherwise idle machine.
+uses a temporary one unless COMPILED_ENGINE_CACHE_DIR is set (`--plan-calls`: the engine's own);
+cold, it compiles the buckets it needs (~1 min). Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -96,9 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         help="as LLM(max_cpu_plan_tokens=...); default 0: a step plan runs the kernels without the "
         "profiler's per-op events, so the groups below need the graph's Python wrapper",
     )
+    parser.add_argument(
+        "--plan-calls",
+        action="store_true",
+        help="time the decode buckets' step plans call by call (plans on, as the engine's default; "
+        "no torch.profiler) instead of the profiler's events on the graphs' Python wrapper",
+    )
     args = parser.parse_args(argv)
-    os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
-    if "COMPILED_ENGINE_CACHE_DIR" not in os.environ:
+    if not args.plan_calls:
+        os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # read when Inductor is imported
+    if "COMPILED_ENGINE_CACHE_DIR" not in os.environ and not args.plan_calls:
         os.environ["COMPILED_ENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="compiled-engine-step-profile-")
 
     from torch.profiler import ProfilerActivity, profile
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_policy="blocking",  # graphs built in the warm-up steps, not swapped in mid-timing
         attention_backend=args.attention_backend,
         quantization=args.quantization,
-        max_cpu_plan_tokens=args.max_cpu_plan_tokens,
+        **({} if args.plan_calls else {"max_cpu_plan_tokens": args.max_cpu_plan_tokens}),
     )
     engine = llm.engine
     # Room to the end of the model length: requests that finish their prefill early decode during
@@ -136,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         decoding.update(out.request_id for out in engine.step())
     for _ in range(warmup):  # decode steps; the first builds (or loads) its bucket
         engine.step()
+    if args.plan_calls:
+        return _profile_plan_calls(engine, args)
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
@@ -170,6 +184,61 @@ def main(argv: list[str] | None = None) -> int:
     for event in events[: args.top]:
         ms = event.self_cpu_time_total / 1e3 / args.steps
         print(f"    {ms:7.3f} ms  {event.count // args.steps:4d}x  {event.key}")
+    return 0
+
+
+PLAN_GROUPS = ("linears", "attention", "other graph kernels", "outside the plan's calls")
+
+
+def plan_call_groups(calls: list[tuple[str, float]], steps: int, wall_s: float) -> dict[str, float]:
+    """Milliseconds per step in each of PLAN_GROUPS, from the plans' (label, seconds) calls summed
+    over `steps` steps of `wall_s` seconds in all."""
+    per_step = dict.fromkeys(PLAN_GROUPS, 0.0)
+    for label, seconds in calls:
+        per_step[_group(label) or "other graph kernels"] += seconds * 1e3 / steps
+    per_step["outside the plan's calls"] = wall_s * 1e3 / steps - sum(per_step.values())
+    return per_step
+
+
+def _profile_plan_calls(engine, args) -> int:
+    graphs = engine.model_runner.step_graph.decode_graphs.graphs
+    plans = [graphs.graph(b).plan for b in graphs.captured_buckets] if graphs is not None else []
+    plans = [plan for plan in plans if plan is not None]
+    if not plans:
+        print("no decode bucket replays a step plan here (see the engine's log for why): nothing to time")
+        return 1
+    for plan in plans:
+        plan.time_calls()
+    walls = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    calls: list[tuple[str, float]] = []
+    replays = 0
+    for plan in plans:
+        times = plan.take_call_times()
+        plan.time_calls(False)
+        replays += times.replays
+        calls += times.calls
+    if replays != args.steps:
+        print(f"{replays} plan replays in {args.steps} steps: some steps ran no plan, the split is off")
+    per_step = plan_call_groups(calls, args.steps, sum(walls))
+    wall_ms = sum(walls) / len(walls) * 1e3
+    print(
+        f"{args.model} {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
+        f"{args.steps} steps with the plans' calls timed: "
+        f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median)"
+    )
+    for group in PLAN_GROUPS:
+        ms = per_step[group]
+        print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
+    print(f"  (attention backend: {engine.model_runner.attention_backend.name})")
+    by_label: dict[str, list[float]] = defaultdict(list)
+    for label, seconds in calls:
+        by_label[label].append(seconds * 1e3 / args.steps)
+    for label, ms in sorted(by_label.items(), key=lambda item: sum(item[1]), reverse=True)[: args.top]:
+        print(f"    {sum(ms):7.3f} ms  {len(ms):4d}x  {label}")
     return 0
 
 

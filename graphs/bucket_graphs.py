@@ -79,6 +79,10 @@ class BucketGraphs:
     def has(self, bucket: int) -> bool:
         return bucket in self._graphs
 
+    def graph(self, bucket: int) -> CapturedGraph | None:
+        """The bucket's captured graph (None: not captured), for profiles that look inside it."""
+        return self._graphs.get(bucket)
+
     def replay(self, bucket: int) -> torch.Tensor:
         """Run `bucket`'s step on the buffers' current contents.
 

@@ -64,10 +64,30 @@ class CpuStepPlan:
     output: torch.Tensor
     keep: list[torch.Tensor] = field(repr=False)  # every tensor the calls read or write
     num_calls: int = 0
+    # What each call is, in order: a fused kernel's name in the wrapper (`cpp_fused_...`), an
+    # op's qualified name (`compiled_engine::cpu_gemv`) or an extern GEMM's (`aten::mm`).
+    labels: tuple[str, ...] = ()
 
     def replay(self) -> torch.Tensor:
         self.plan.run()
         return self.output
+
+    def time_calls(self, on: bool = True) -> None:
+        """Start (or stop) timing each call of the replays that follow; the counts start at 0."""
+        self.plan.set_timed(on)
+
+    def take_call_times(self) -> PlanCallTimes:
+        """The timed replays since the last take (or `time_calls`), each call's summed seconds."""
+        runs, *nanoseconds = self.plan.take_times()
+        return PlanCallTimes(int(runs), tuple(zip(self.labels, (n / 1e9 for n in nanoseconds), strict=True)))
+
+
+@dataclass(frozen=True)
+class PlanCallTimes:
+    """Where timed replays of a plan spent their time (bench/step_profile.py reads it)."""
+
+    replays: int
+    calls: tuple[tuple[str, float], ...]  # (label, seconds over all the replays) per call, in order
 
 
 def record_step_plan(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, CpuStepPlan | None, str | None]:
@@ -183,6 +203,7 @@ def _known_call(call: ast.Call, kernels: set[str]) -> bool:
 
 @dataclass
 class _KernelCall:
+    name: str  # the kernel's name in the wrapper
     binding: Any
     args: tuple
 
@@ -273,16 +294,16 @@ def _run_recording(
     """`fn()` with the wrapper's kernels and ops recording; the calls in order, and the output."""
     calls: list = []
 
-    def recorder(binding: Any) -> Callable[..., None]:
+    def recorder(name: str, binding: Any) -> Callable[..., None]:
         def record(*args: Any) -> None:
             binding(*args)
-            calls.append(_KernelCall(binding, args))
+            calls.append(_KernelCall(name, binding, args))
 
         return record
 
     swapped = {name: namespace[name] for name in (*kernels, "torch", "extern_kernels") if name in namespace}
     for name in kernels:
-        namespace[name] = recorder(swapped[name])
+        namespace[name] = recorder(name, swapped[name])
     namespace["torch"] = _RecordingOps(calls)
     if "extern_kernels" in swapped:
         namespace["extern_kernels"] = _RecordingGemms(swapped["extern_kernels"], calls)
@@ -312,8 +333,10 @@ def _kernel_address(binding: Any) -> int:
 def _build(calls: list, output: torch.Tensor) -> CpuStepPlan:
     plan = torch.classes.compiled_engine.CpuStepPlan()
     keep: list[torch.Tensor] = []
+    labels: list[str] = []
     for call in calls:
         if isinstance(call, _KernelCall):
+            labels.append(call.name)
             args = []
             for arg in call.args:
                 if isinstance(arg, torch.Tensor):
@@ -326,6 +349,7 @@ def _build(calls: list, output: torch.Tensor) -> CpuStepPlan:
             plan.add_kernel(_kernel_address(call.binding), args)
         elif isinstance(call, _GemmCall):
             name, tensors, floats, out = _gemm_arguments(call)
+            labels.append(f"aten::{name}")
             keep.extend((*tensors, out))
             if not plan.add_op(name, tensors, floats, [], out):
                 raise StepPlanRefused(f"the plan does not replay extern_kernels.{name}")
@@ -336,12 +360,13 @@ def _build(calls: list, output: torch.Tensor) -> CpuStepPlan:
                 raise StepPlanRefused(f"{call.op} returned no contiguous tensor")
             keep.extend(tensors)
             keep.append(result)
+            labels.append(call.op._schema.name)
             if not plan.add_op(call.op._schema.name.split("::")[-1], tensors, floats, ints, result):
                 raise StepPlanRefused(f"the plan does not replay {call.op}")
     held = {t.untyped_storage().data_ptr() for t in keep}
     if output.untyped_storage().data_ptr() not in held:
         raise StepPlanRefused("the step's output is not memory the recorded calls write")
-    return CpuStepPlan(plan, output, keep, num_calls=len(calls))
+    return CpuStepPlan(plan, output, keep, num_calls=len(calls), labels=tuple(labels))
 
 
 def _op_arguments(call: _OpCall) -> tuple[list[torch.Tensor], list[float], list[int]]:

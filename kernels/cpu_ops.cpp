@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -749,16 +750,51 @@ struct CpuStepPlan : torch::CustomClassHolder {
     return true;
   }
 
-  void run() {
-    for (const Call& call : calls) {
-      if (call.caller != nullptr) {
-        call.caller(call.fn, call.args.data());
-      } else {
-        const at::Tensor result = call.op();
-        // oneDNN's linear, and past kDequantizeRows the quantized ops, return a new tensor.
-        if (result.data_ptr() != call.out.data_ptr()) call.out.copy_(result);
-      }
+  static void make(const Call& call) {
+    if (call.caller != nullptr) {
+      call.caller(call.fn, call.args.data());
+    } else {
+      const at::Tensor result = call.op();
+      // oneDNN's linear, and past kDequantizeRows the quantized ops, return a new tensor.
+      if (result.data_ptr() != call.out.data_ptr()) call.out.copy_(result);
     }
+  }
+
+  void run() {
+    if (!timed) {
+      for (const Call& call : calls) make(call);
+      return;
+    }
+    call_ns.resize(calls.size(), 0);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      make(calls[i]);
+      call_ns[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+                        .count();
+    }
+    ++timed_runs;
+  }
+
+  // Each call's own time, for a profile of where a replay's time goes (bench/step_profile.py): a
+  // plan's kernels run from here, where torch.profiler sees none of them. Off unless asked for,
+  // so a replay is the plain loop above.
+  bool timed = false;
+  int64_t timed_runs = 0;
+  std::vector<int64_t> call_ns;  // per call, nanoseconds summed over the timed runs
+
+  void set_timed(bool on) {
+    timed = on;
+    take_times();
+  }
+
+  // The timed runs so far, then each call's nanoseconds summed over them; both start again at 0.
+  std::vector<int64_t> take_times() {
+    call_ns.resize(calls.size(), 0);
+    std::vector<int64_t> times{timed_runs};
+    times.insert(times.end(), call_ns.begin(), call_ns.end());
+    timed_runs = 0;
+    std::fill(call_ns.begin(), call_ns.end(), 0);
+    return times;
   }
 
   int64_t size() const { return static_cast<int64_t>(calls.size()); }
@@ -805,5 +841,7 @@ TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
       .def("add_kernel", &CpuStepPlan::add_kernel)
       .def("add_op", &CpuStepPlan::add_op)
       .def("run", &CpuStepPlan::run)
-      .def("size", &CpuStepPlan::size);
+      .def("size", &CpuStepPlan::size)
+      .def("set_timed", &CpuStepPlan::set_timed)
+      .def("take_times", &CpuStepPlan::take_times);
 }

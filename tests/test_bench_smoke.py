@@ -232,3 +232,21 @@ def test_step_report_buckets_steps_and_weights_periods_by_decoding_sequences(tmp
     # Periods: 2 ms (1 seq), 6 ms (1 seq), 2 ms (2 seqs) -> [2, 2, 2, 6]: p50 2 ms, p99 6 ms.
     assert abs(report["engine_itl"]["p50_s"] - 0.002) < 1e-9
     assert abs(report["engine_itl"]["p99_s"] - 0.006) < 1e-9
+
+
+def test_step_profile_puts_plan_calls_in_their_groups_and_the_rest_outside():
+    from bench.step_profile import PLAN_GROUPS, plan_call_groups
+
+    calls = [
+        ("compiled_engine::cpu_gemv", 0.008),
+        ("aten::mm", 0.002),
+        ("compiled_engine::paged_attention_cpu", 0.001),
+        ("cpp_fused_add_mean_mul_pow_rsqrt_0", 0.0005),
+        ("cpp_fused_amax_div_exp_sum_1", 0.0005),  # Inductor's softmax: attention maths
+    ]
+    groups = plan_call_groups(calls, steps=4, wall_s=0.016)
+    assert tuple(groups) == PLAN_GROUPS
+    assert groups["linears"] == pytest.approx(2.5)  # (8 + 2) ms over 4 steps
+    assert groups["attention"] == pytest.approx(0.375)
+    assert groups["other graph kernels"] == pytest.approx(0.125)
+    assert groups["outside the plan's calls"] == pytest.approx(4.0 - 3.0)

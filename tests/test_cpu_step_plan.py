@@ -90,6 +90,36 @@ def test_extern_gemms_replay_into_their_out_buffers(tmp_path):
     torch.testing.assert_close(plan.replay(), 5 * (x @ weight.T), rtol=1e-5, atol=1e-5)
 
 
+def test_timed_replays_give_each_calls_own_time_under_its_label(tmp_path):
+    runner = _wrapper_module(
+        tmp_path,
+        """
+        buf0 = torch.ops.compiled_engine.cpu_gemv.default(arg0_1, arg1_1, None)
+        buf1 = empty_strided_cpu((2, 24), (24, 1), torch.float32)
+        extern_kernels.mm(arg0_1, reinterpret_tensor(arg1_1, (40, 24), (1, 40), 0), out=buf1)
+        return (buf1, )
+        """,
+    )
+    x, weight = torch.randn(2, 40), torch.randn(24, 40)
+    _, plan, refused = record_step_plan(lambda: runner.call([x, weight])[0])
+    assert refused is None and plan.labels == ("compiled_engine::cpu_gemv", "aten::mm")
+    plan.replay()
+    assert plan.take_call_times().replays == 0  # not timed unless asked
+    plan.time_calls()
+    for _ in range(3):
+        replayed = plan.replay()
+    torch.testing.assert_close(replayed, x @ weight.T, rtol=1e-5, atol=1e-5)
+    times = plan.take_call_times()
+    assert times.replays == 3
+    assert [label for label, _ in times.calls] == list(plan.labels)
+    assert all(seconds > 0 for _, seconds in times.calls)
+    again = plan.take_call_times()  # taken: the counts start again
+    assert again.replays == 0 and all(seconds == 0 for _, seconds in again.calls)
+    plan.time_calls(False)
+    plan.replay()
+    assert plan.take_call_times().replays == 0
+
+
 @pytest.mark.parametrize(
     "body, reason",
     [
@@ -150,7 +180,7 @@ def test_a_step_without_an_inductor_wrapper_is_refused():
 
 def test_a_fused_kernel_with_a_float_argument_is_refused():
     with pytest.raises(StepPlanRefused, match="takes a float argument"):
-        call = cpu_step_plan._KernelCall(binding=None, args=(torch.ones(2), 0.5))
+        call = cpu_step_plan._KernelCall(name="cpp_fused_test", binding=None, args=(torch.ones(2), 0.5))
         cpu_step_plan._build([call], torch.ones(2))
 
 
@@ -231,8 +261,12 @@ def test_decode_steps_capture_their_bucket_once_it_is_compiled_and_replay_it(ste
         torch.testing.assert_close(planned_logits, expected, rtol=0, atol=0)
         for ours, theirs in zip(caches, plain_caches, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    # A plan's calls: per layer its fused kernels and ops, all of them C++.
+    # A plan's calls: per layer its fused kernels and ops, all of them C++, each labelled.
     assert graph.plan.num_calls >= 2 * len(caches)
+    labels = graph.plan.labels
+    assert len(labels) == graph.plan.num_calls
+    assert any(label.startswith("cpp_fused") for label in labels)
+    assert labels.count("compiled_engine::paged_attention_cpu") == len(caches)
     # A prefill step is no decode batch: the bucket graph runs, nothing more is captured.
     _run(planned, buffers, [(3, 0, True)])
     assert graphs().captured_buckets == (2,)

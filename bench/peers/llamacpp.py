@@ -130,10 +130,13 @@ def parse_jsonl(stdout: str) -> list[BatchedBenchRound]:
 def run_batched_bench(
     spec: PeerSpec, gguf: Path, prompt_len: int, decode_steps: int, sequences: int, repeats: int, threads: int
 ) -> list[BatchedBenchRound]:
-    argv = batched_bench_argv(spec, gguf, prompt_len, decode_steps, sequences, repeats, threads)
+    # One round more than asked: the JSON lines go through llama.cpp's log thread, and now and then
+    # (1 run in 8 here) the last line never reaches the pipe before the process exits. Every round
+    # is the same workload, so the first `repeats` that arrive are kept.
+    argv = batched_bench_argv(spec, gguf, prompt_len, decode_steps, sequences, repeats + 1, threads)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-    # The JSON lines go to the log stream; which of stdout/stderr depends on the build's log setup.
-    rounds = parse_jsonl(done.stdout) or parse_jsonl(done.stderr)
+    # Which of stdout/stderr the log stream uses depends on the build's log setup.
+    rounds = (parse_jsonl(done.stdout) or parse_jsonl(done.stderr))[:repeats]
     if done.returncode != 0 or len(rounds) != repeats:
         raise RuntimeError(
             f"{' '.join(argv)} failed (exit {done.returncode}, {len(rounds)} of {repeats} rounds):\n"
