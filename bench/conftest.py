@@ -61,6 +61,13 @@ def pytest_addoption(parser):
         "BENCH_QUANTIZATION); a llama.cpp peer then runs its Q8_0 / Q4_0 of the same weights",
     )
     group.addoption(
+        "--bench-num-scheduler-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="our engine's num_scheduler_steps (default 1: one decode step a schedule; docs/performance.md)",
+    )
+    group.addoption(
         "--peer",
         action="append",
         default=[],
@@ -98,6 +105,11 @@ def pytest_configure(config):
             f"BENCH_QUANTIZATION must be one of {BENCH_QUANTIZATIONS}, got {quantization!r}"
         )
     config._bench_quantization = quantization
+    config._bench_num_scheduler_steps = config.getoption("--bench-num-scheduler-steps")
+    if config._bench_num_scheduler_steps < 1:
+        raise pytest.UsageError(
+            f"--bench-num-scheduler-steps must be >= 1, got {config._bench_num_scheduler_steps}"
+        )
     try:
         config._bench_peers = PeerSession(parse_peers(config.getoption("--peer")), quantization)
     except ValueError as exc:
@@ -145,11 +157,13 @@ class BenchSession:
         attention_backend: str = "auto",
         peers: PeerSession | None = None,
         quantization: str | None = None,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.sizes = sizes
         self.dtype = dtype
         self.attention_backend = attention_backend
         self.quantization = quantization
+        self.num_scheduler_steps = num_scheduler_steps
         self.peers = peers or PeerSession({})
         self._engines: dict[str, object] = {}
         self._hf: dict[str, object] = {}
@@ -208,6 +222,8 @@ class BenchSession:
         options.setdefault("attention_backend", self.attention_backend)
         if self.quantization is not None:
             options.setdefault("quantization", self.quantization)
+        if self.num_scheduler_steps != 1:
+            options.setdefault("num_scheduler_steps", self.num_scheduler_steps)
         key = (name, tuple(sorted(options.items())))
         if key not in self._engines and "async_scheduling" in options:
             # The device's default loop is one of the two: the engine built without the option
@@ -266,6 +282,7 @@ def bench_session(request):
         config._bench_attention_backend,
         config._bench_peers,
         config._bench_quantization,
+        config._bench_num_scheduler_steps,
     )
     yield session
     session.peers.close()
@@ -318,6 +335,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "profile": sizes.profile,
         "dtype": config._bench_dtype,
         "quantization": config._bench_quantization,
+        "num_scheduler_steps": config._bench_num_scheduler_steps,
         "attention_backend": config._bench_attention_backend,
         "sizes": sizes.__dict__,
         "command": f"{Path(sys.executable).name} -m pytest {args}",

@@ -3,6 +3,9 @@
 `interleaved_medians(benchmark, passes, rounds)` runs every pass once a round, in the mapping's
 order, for `rounds` rounds of pytest-benchmark's `pedantic` (which records the rounds' totals),
 and returns each pass's median seconds, for the ratios the suites report.
+`interleaved_results(benchmark, runs, rounds, warmup_rounds)` does the same with runs that time
+themselves (bench/runners.py's `RunResult`: TPOT and all), and returns each run's results of the
+timed rounds.
 """
 
 from __future__ import annotations
@@ -26,3 +29,17 @@ def interleaved_medians(
 
     benchmark.pedantic(one_round, rounds=rounds, iterations=1, **pedantic)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def interleaved_results(
+    benchmark: Any, runs: Mapping[str, Callable[[], Any]], rounds: int, warmup_rounds: int
+) -> dict[str, list[Any]]:
+    results: dict[str, list[Any]] = {name: [] for name in runs}
+
+    def one_round() -> None:
+        for name, run in runs.items():
+            results[name].append(run())
+
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds)
+    # The warm-up rounds' results (none with --benchmark-disable, which runs no warm-up) go.
+    return {name: rs[warmup_rounds:] if len(rs) > rounds else rs for name, rs in results.items()}

@@ -112,20 +112,21 @@ def run_engine_decode(llm, requests: list[BenchRequest]) -> RunResult:
         engine.add_request(request_id, processed, params)
         lengths[request_id] = 0
     first_all = None
-    steps_after_first = 0
+    at_first: dict[str, int] = {}
     while engine.has_unfinished_requests():
         outputs = engine.step()
         for out in outputs:
             lengths[out.request_id] = len(out.outputs[0].token_ids)
-        if first_all is None:
-            if all(n > 0 for n in lengths.values()):
-                first_all = time.perf_counter()
-        else:
-            steps_after_first += 1
+        if first_all is None and all(n > 0 for n in lengths.values()):
+            first_all = time.perf_counter()
+            at_first = dict(lengths)
     end = time.perf_counter()
     ordered = [lengths[rid] for rid in lengths]
     _check_lengths(ordered, requests, "our engine")
-    return RunResult(end - start, sum(ordered), end - first_all, steps_after_first)
+    # Decode steps in the window, counted in tokens: a step of one token per request adds one to
+    # every request, a multi-step run (num_scheduler_steps) as many as it ran.
+    decode_tokens = max(lengths[rid] - at_first[rid] for rid in lengths)
+    return RunResult(end - start, sum(ordered), end - first_all, decode_tokens)
 
 
 # -- Hugging Face ------------------------------------------------------------------------------

@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     from compiled_engine import LLM, SamplingParams
 
     warmup = 4
-    prompt_len = max(1, args.context - args.steps - warmup)
+    if args.steps + warmup >= args.context:
+        parser.error(
+            f"--steps {args.steps} and {warmup} warm-up steps do not fit in --context {args.context}: "
+            "every step must decode (raise --context)"
+        )
+    prompt_len = args.context - args.steps - warmup
     max_len = args.context + 16
     llm = LLM(
         str(resolve_model(args.model).path),

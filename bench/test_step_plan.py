@@ -15,11 +15,13 @@ ratio of each round (above 1: the plan faster).
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import pytest
 
-from bench.conftest import measured, record
+from bench.conftest import record
+from bench.interleaved import interleaved_results
 from bench.runners import run_engine_decode
 from bench.workloads import fixed_requests
 
@@ -40,16 +42,13 @@ def test_step_plan(benchmark, bench_session, sizes, model_name, system, concurre
         "plan": bench_session.engine(model_name, max_cpu_plan_tokens=PLAN_TOKENS),
         "wrapper": bench_session.engine(model_name, max_cpu_plan_tokens=0),
     }
-    results: dict[str, list] = {side: [] for side in engines}
-
-    def both():
-        for side, llm in engines.items():
-            results[side].append(run_engine_decode(llm, requests))
-
     benchmark.group = f"step-plan {model_name} concurrency={concurrency}"
-    benchmark.pedantic(both, rounds=2 * sizes.decode_rounds, iterations=1, warmup_rounds=WARMUP_ROUNDS)
-    for side in engines:
-        results[side] = measured(results[side], WARMUP_ROUNDS)
+    results = interleaved_results(
+        benchmark,
+        {side: functools.partial(run_engine_decode, llm, requests) for side, llm in engines.items()},
+        2 * sizes.decode_rounds,
+        WARMUP_ROUNDS,
+    )
     # The plan engine really replayed plans, the other never did.
     planned = engines["plan"].engine.model_runner.step_graph.decode_graphs.graphs
     assert planned is not None and any(graph.plan is not None for graph in planned._graphs.values())

@@ -37,6 +37,8 @@ class EngineConfig:
     # CPU decode buckets up to this many tokens replay a recorded plan (graphs/cpu_step_plan.py).
     max_cpu_plan_tokens: int
     async_scheduling: bool
+    # Decode steps a schedule runs back to back when every running request decodes greedily.
+    num_scheduler_steps: int
     # The name asked for ("auto" too): the runner resolves it, as a backend may build a kernel.
     attention_backend: str
     enable_prefix_caching: bool

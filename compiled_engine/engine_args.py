@@ -79,6 +79,11 @@ class Flag:
     nargs: str | None = None
 
 
+# The longest multi-step run (num_scheduler_steps): past a few dozen the host's share is gone, and
+# a request that stops early would leave the rest of the run's work unused.
+MAX_SCHEDULER_STEPS = 64
+
+
 def option(default: Any, help: str, **flag: Any) -> Any:
     """A field with its default, its help, and `Flag`'s settings for the command line."""
     return field(default=default, metadata={"flag": Flag(help, **flag)})
@@ -252,6 +257,13 @@ class EngineArgs:
         "prepare the next step while the current one runs (auto: on for CUDA, off for CPU)",
         choices={"auto": None, "on": True, "off": False},
     )
+    num_scheduler_steps: int = option(
+        1,
+        "decode steps one schedule runs back to back while every running request decodes greedily "
+        "and none waits (vLLM's multi-step scheduling): the host's work around a step is paid once "
+        f"a run, and tokens stream in runs of up to this many; CPU, synchronous loop; 1 to "
+        f"{MAX_SCHEDULER_STEPS} (docs/performance.md)",
+    )
     # A dict as vLLM takes it (or its JSON text); kept as the checked record.
     speculative_config: SpeculativeConfig | None = option(
         None,
@@ -298,6 +310,22 @@ class EngineArgs:
         bad_type = isinstance(reserved, bool) or not isinstance(reserved, int)
         if reserved is not None and (bad_type or reserved < 0):
             raise ValueError(f"cpu_reserved_cores must be an int >= 0 (or None: auto), got {reserved!r}")
+        steps = self.num_scheduler_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(
+                f"num_scheduler_steps must be an int from 1 to {MAX_SCHEDULER_STEPS}, got {steps!r}"
+            )
+        if steps > 1:
+            for conflict, present in (
+                ("async_scheduling=True", self.async_scheduling is True),
+                ("speculative_config", self.speculative_config is not None),
+                ("tensor or pipeline parallelism", self.world_size > 1),
+            ):
+                if present:
+                    raise ValueError(
+                        f"num_scheduler_steps={steps} cannot run with {conflict}: a multi-step run is "
+                        "the synchronous loop's decode steps on one process"
+                    )
         plan_tokens = self.max_cpu_plan_tokens
         if isinstance(plan_tokens, bool) or not isinstance(plan_tokens, int) or plan_tokens < 0:
             raise ValueError(f"max_cpu_plan_tokens must be an int >= 0, got {plan_tokens!r}")
@@ -450,6 +478,11 @@ class EngineArgs:
             buckets = check_buckets(self.compile_buckets, max_num_batched_tokens)
         else:
             buckets = default_buckets(max_num_batched_tokens, self.max_num_seqs)
+        if self.num_scheduler_steps > 1 and device.type != "cpu":
+            raise ValueError(
+                f"num_scheduler_steps={self.num_scheduler_steps} runs on the CPU only: on {device.type} "
+                "the async loop already hides the host's work behind the device's"
+            )
         if self.world_size > 1:
             async_scheduling = False  # every rank runs each step as rank 0 scheduled it
         elif self.async_scheduling is None:
@@ -475,6 +508,7 @@ class EngineArgs:
             fuse_linears=self.fuse_linears,
             cache_dir=self.cache_dir,
             async_scheduling=async_scheduling,
+            num_scheduler_steps=self.num_scheduler_steps,
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,
             long_prefill_token_threshold=self.long_prefill_token_threshold or 0,

@@ -46,8 +46,9 @@ from compiled_engine.graphs.bucket_graphs import BUCKET_GRAPHS_VERSION
 from compiled_engine.graphs.buckets import bucket_for, bucket_shape, check_buckets, eager_shape, pad_step
 from compiled_engine.graphs.compile_cache import CacheEntry
 from compiled_engine.graphs.constant_recipes import CONSTANT_RECIPES_VERSION
+from compiled_engine.graphs.cpu_step_plan import CpuStepPlan
 from compiled_engine.graphs.decode_graphs import DEFAULT_MAX_PLAN_TOKENS, DecodeGraphs
-from compiled_engine.graphs.device import DEVICE_RUNTIME_VERSION, DeviceRuntime, runtime_for
+from compiled_engine.graphs.device import DEVICE_RUNTIME_VERSION, CpuGraph, DeviceRuntime, runtime_for
 from compiled_engine.graphs.gemv_policy import GEMV_POLICY_VERSION, GemvDecision, decide_gemv_rows
 from compiled_engine.graphs.pass_manager import BucketTarget, PassReport, PerBucket
 from compiled_engine.graphs.pass_pipeline import default_pass_manager
@@ -238,6 +239,12 @@ class CompiledStep:
     def release_graphs(self) -> None:
         """Drop the captured graphs (their memory returns to the device allocator)."""
         self.decode_graphs.release()
+
+    def decode_plan(self, num_tokens: int) -> CpuStepPlan | None:
+        graphs = self.decode_graphs.graphs
+        bucket = bucket_for(num_tokens, self.buckets)
+        graph = graphs.graph(bucket) if graphs is not None and bucket is not None else None
+        return graph.plan if isinstance(graph, CpuGraph) else None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Run on other KV-cache tensors (same layout, any block count); captured graphs are dropped."""

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels import cpu_ops
 
 # Names the wrapper may call besides its fused kernels and `torch.ops.compiled_engine` ops:
@@ -71,6 +72,20 @@ class CpuStepPlan:
     def replay(self) -> torch.Tensor:
         self.plan.run()
         return self.output
+
+    def decode_on(
+        self, greedy_kernel: int, tokens: torch.Tensor, inputs: StepInputs, block_size: int
+    ) -> None:
+        """Multi-step runs: fill `tokens` ([steps + 1, rows] int64, its first row the tokens of the
+        step just replayed) with `steps` more decode steps of its rows, each fed the tokens the one
+        before picked (kernels/cpu_ops.cpp's CpuStepPlan.decode_on). `inputs` are the step's views
+        of the buffers this plan reads; `greedy_kernel` the address of kernels/cpu_sampler.cpp's
+        ce_cpu_greedy."""
+        rows = tokens.shape[1]
+        self.plan.decode_on(
+            greedy_kernel, tokens, inputs.input_ids[0], inputs.positions, inputs.seq_lens,
+            inputs.slot_mapping, inputs.block_tables, block_size, self.output[:rows],
+        )  # fmt: skip
 
     def time_calls(self, on: bool = True) -> None:
         """Start (or stop) timing each call of the replays that follow; the counts start at 0."""

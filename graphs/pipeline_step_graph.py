@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from compiled_engine.graphs.cpu_step_plan import CpuStepPlan
 from compiled_engine.graphs.step_inputs import StepInputs, front_of
 from compiled_engine.kernels.pipeline_transfer import PostedTransfers, TransferClock, take_transfers
 
@@ -124,6 +125,9 @@ class PipelineStepGraph:
 
     def release_graphs(self) -> None:
         pass
+
+    def decode_plan(self, num_tokens: int) -> CpuStepPlan | None:
+        return None  # a stage runs one step a schedule
 
     def stage_times(self, reset: bool = False) -> StageTimes:
         times = self._times

@@ -33,6 +33,7 @@ from compiled_engine.graphs.capture import CapturedModel, capture_model
 from compiled_engine.graphs.compile_cache import CacheEntry, CompileCache
 from compiled_engine.graphs.compile_manifest import GraphOptions, Manifest, build_manifest
 from compiled_engine.graphs.compiled_step import CompiledStep, step_component_versions
+from compiled_engine.graphs.cpu_step_plan import CpuStepPlan
 from compiled_engine.graphs.device import DeviceRuntime, runtime_for
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.kernels.backends import AttentionBackend
@@ -71,6 +72,11 @@ class StepGraph(Protocol):
 
     def release_graphs(self) -> None: ...
 
+    def decode_plan(self, num_tokens: int) -> CpuStepPlan | None:
+        """The recorded CPU plan a decode step of `num_tokens` rows replays (graphs/cpu_step_plan.py),
+        once one ran; None: no plan serves it (multi-step runs then go through `__call__`)."""
+        ...
+
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Run on other KV-cache tensors of the same layout."""
         ...
@@ -107,6 +113,9 @@ class EagerStepGraph:
 
     def release_graphs(self) -> None:
         pass
+
+    def decode_plan(self, num_tokens: int) -> CpuStepPlan | None:
+        return None  # nothing is compiled, so nothing is recorded
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         raise RuntimeError("the eager path keeps the KV caches it was captured with")

@@ -775,6 +775,64 @@ struct CpuStepPlan : torch::CustomClassHolder {
     ++timed_runs;
   }
 
+  // Multi-step runs (worker/model_runner.py `_run_on`): `steps` more decode steps of the `rows`
+  // rows of the step this plan just replayed, each fed the tokens the one before picked, with no
+  // Python between them: the tokens, positions, sequence lengths and slots move on in the step's
+  // own buffers (the plan's inputs), the plan runs, and `greedy` (kernels/cpu_sampler.cpp's
+  // ce_cpu_greedy, passed by address) picks each row's argmax of `logits` (the plan's output).
+  // `tokens` is int64 [steps + 1, rows], its first row the tokens of the step just run; the rest
+  // is filled here. The caller allocated every row's blocks for the whole run.
+  void decode_on(int64_t greedy, at::Tensor tokens, at::Tensor input_ids, at::Tensor positions,
+                 at::Tensor seq_lens, at::Tensor slot_mapping, at::Tensor block_tables, int64_t block_size,
+                 at::Tensor logits) {
+    using Greedy = int (*)(const void*, int64_t, int64_t, int64_t, int, int, int, int64_t*);
+    TORCH_CHECK_VALUE(greedy != 0, "CpuStepPlan.decode_on: a null greedy kernel");
+    TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+                      "CpuStepPlan.decode_on: tokens must be a contiguous int64 [steps + 1, rows]");
+    const int64_t rows = tokens.size(1), steps = tokens.size(0) - 1;
+    const auto rows_of = [&](const at::Tensor& t, at::ScalarType type, const char* name) {
+      TORCH_CHECK_VALUE(t.scalar_type() == type && t.size(-1) == rows && t.stride(-1) == 1, "CpuStepPlan.decode_on: ",
+                        name, " must be ", type, " with ", rows, " contiguous columns, got ", t.scalar_type(), " ",
+                        t.sizes());
+    };
+    rows_of(input_ids, at::kLong, "input_ids");
+    rows_of(positions, at::kLong, "positions");
+    rows_of(seq_lens, at::kInt, "seq_lens");
+    rows_of(slot_mapping, at::kLong, "slot_mapping");
+    TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == rows &&
+                          block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 && block_size > 0,
+                      "CpuStepPlan.decode_on: block_tables must be int32 [rows, width], got ",
+                      block_tables.scalar_type(), " ", block_tables.sizes());
+    const int code = dtype_code(logits.scalar_type());
+    TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(0) >= rows && logits.stride(1) == 1 && code >= 0,
+                      "CpuStepPlan.decode_on: logits must be float [>= rows, vocab] with contiguous rows");
+    int64_t* ids = input_ids.data_ptr<int64_t>();
+    int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t pos_rows = positions.dim() == 2 ? positions.size(0) : 1, pos_stride = positions.stride(0);
+    int32_t* lens = seq_lens.data_ptr<int32_t>();
+    int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int32_t* table = block_tables.data_ptr<int32_t>();
+    const int64_t width = block_tables.size(1), table_stride = block_tables.stride(0);
+    int64_t* out = tokens.data_ptr<int64_t>();
+    const auto pick = reinterpret_cast<Greedy>(static_cast<intptr_t>(greedy));
+    for (int64_t step = 1; step <= steps; ++step) {
+      const int64_t* fed = out + (step - 1) * rows;
+      for (int64_t r = 0; r < rows; ++r) {
+        ids[r] = fed[r];
+        for (int64_t p = 0; p < pos_rows; ++p) ++pos[p * pos_stride + r];
+        ++lens[r];
+        const int64_t at = pos[r], column = at / block_size;
+        TORCH_CHECK_INDEX(column < width, "CpuStepPlan.decode_on: row ", r, " reaches position ", at,
+                          " past its ", width, " blocks");
+        slots[r] = static_cast<int64_t>(table[r * table_stride + column]) * block_size + at % block_size;
+      }
+      run();
+      const int rc = pick(logits.data_ptr(), rows, logits.size(1), logits.stride(0), code, 1, at::get_num_threads(),
+                          out + step * rows);
+      TORCH_CHECK(rc == 0, "CpuStepPlan.decode_on: the greedy kernel rejected its arguments (code ", rc, ")");
+    }
+  }
+
   // Each call's own time, for a profile of where a replay's time goes (bench/step_profile.py): a
   // plan's kernels run from here, where torch.profiler sees none of them. Off unless asked for,
   // so a replay is the plain loop above.
@@ -842,6 +900,7 @@ TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
       .def("add_op", &CpuStepPlan::add_op)
       .def("run", &CpuStepPlan::run)
       .def("size", &CpuStepPlan::size)
+      .def("decode_on", &CpuStepPlan::decode_on)
       .def("set_timed", &CpuStepPlan::set_timed)
       .def("take_times", &CpuStepPlan::take_times);
 }

@@ -54,6 +54,13 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
     return cpu_attention_build.load_library(SOURCE, _declare, directory)
 
 
+def greedy_kernel_address() -> int:
+    """ce_cpu_greedy's address, for C++ that picks tokens itself (a step plan's multi-step runs)."""
+    address = ctypes.cast(_library().ce_cpu_greedy, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 @cache
 def sampler_kernels_available() -> bool:
     """Whether the kernels build and load here (a C++ compiler is all they need)."""

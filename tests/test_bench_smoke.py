@@ -59,8 +59,9 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     # linear and quantized GEMV (int8, int4) ops' calls, through the dispatcher, their Python
     # implementations and their kernels alone; the openai client's cost per request, four prompt forms; a
     # verification step's attention, its rows in one walk against one walk each; the decode workload with
-    # step plans and without, interleaved. Where the GEMV has its AMX tile path: the dot path at 5 row
-    # counts and the tiles at 3, for 3 weight shapes, and the tiles against oneDNN at 7 row counts (31);
+    # step plans and without, interleaved, and in multi-step runs and single steps, interleaved. Where
+    # the GEMV has its AMX tile path: the dot path at 5 row counts and the tiles at 3, for 3 weight
+    # shapes, and the tiles against oneDNN at 7 row counts (31);
     # where the quantized kernel's tile path and oneDNN's bf16 GEMM run, the quantized linears at 64 rows
     # (2); where oneDNN cannot run bf16, torch's bf16 GEMM against the widened one at 3 row counts, the
     # quantized ops' prompt rows, int8 and int4, and their 16- and 64-row decode linears against bf16's
@@ -68,7 +69,7 @@ def test_bench_suites_run_at_smoke_sizes(tmp_path):
     tiles = cpu_gemv.gemv_isa() >= cpu_gemv.ISA_AMX_TILES
     quantized_tiles = cpu_gemv_quantized.tiles_available() and onednn_linear_available(torch.bfloat16)
     widened = not onednn_linear_available(torch.bfloat16)
-    expected = 58 + (31 if tiles else 0) + (2 if quantized_tiles else 0) + (9 if widened else 0)
+    expected = 59 + (31 if tiles else 0) + (2 if quantized_tiles else 0) + (9 if widened else 0)
     assert f"{expected} passed" in stdout, stdout[-2000:]
 
 

@@ -386,6 +386,9 @@ class Scheduler:
                 budget -= num_new_tokens
                 prefill_room -= num_new_tokens
 
+        if self._config.num_scheduler_steps > 1 and scheduled and not self._waiting and not preempted_ids:
+            self._run_steps(scheduled, scheduled_requests)
+
         finished_ids = tuple(self._finished_since_last_schedule)
         self._finished_since_last_schedule.clear()
         output = SchedulerOutput(
@@ -444,7 +447,16 @@ class Scheduler:
             s.num_draft_tokens for s in scheduler_output.scheduled
         ):
             raise ValueError("the step verified proposals but the runner output has no num_accepted_drafts")
-        if accepted_counts is None and scheduler_output.num_batched_tokens == len(sampling_ids) == len(
+        if runner_output.step_token_ids is not None:
+            if len(runner_output.step_token_ids) != len(scheduled):
+                raise ValueError(
+                    f"runner output has {len(runner_output.step_token_ids)} multi-step runs for "
+                    f"{len(scheduled)} scheduled requests"
+                )
+            outputs, finished_any = self._update_runs(step, runner_output.step_token_ids)
+        elif scheduled and scheduled[0].num_steps > 1:
+            raise ValueError("the step was a multi-step run but the runner output has no step_token_ids")
+        elif accepted_counts is None and scheduler_output.num_batched_tokens == len(sampling_ids) == len(
             scheduled
         ):
             outputs, finished_any = self._update_decodes(step.ordered, runner_output.sampled_token_ids)
@@ -625,6 +637,7 @@ class Scheduler:
                         0,  # num_draft_tokens
                         None,  # proposal_bitmasks
                         None,  # draft_probs
+                        1,  # num_steps (a multi-step run sets it once the step is built)
                     ),
                 )
             )
@@ -637,6 +650,97 @@ class Scheduler:
             budget -= 1
             index += 1
         return index, budget
+
+    def _run_steps(self, scheduled: list[ScheduledRequest], requests: list[Request]) -> None:
+        """Multi-step scheduling: make the step a run of up to `num_scheduler_steps` decode steps
+        (each row's `num_steps`, its blocks allocated for all of them) when every row decodes one
+        token of a request that samples greedily with nothing that reads the logits (penalties,
+        bias, min_tokens still owed, logprobs, a grammar) and no request waits: a run delays any
+        new request by its length. As long as the request with the fewest tokens left allows, so
+        no row passes max_tokens or the model length. Rows are left as they are otherwise."""
+        config = self._config
+        steps = config.num_scheduler_steps
+        for row, request in zip(scheduled, requests, strict=True):
+            params = request.sampling_params
+            history = request.history
+            plain = (
+                len(row.token_ids) == 1
+                and row.sample
+                and row.grammar_bitmask is None
+                and not row.num_draft_tokens
+                and params.greedy
+                and not params.has_penalties
+                and not params.logit_bias
+                and params.logprobs is None
+                and len(history.output_token_ids) >= params.min_tokens
+            )
+            if not plain:
+                return
+            left = min(request.max_num_tokens, config.max_model_len) - history.num_tokens
+            steps = min(steps, left)
+            if steps < 2:
+                return
+        blocks = []
+        for row in scheduled:
+            # Blocks a run reaches are the request's from here (as speculation's lookahead blocks):
+            # its next tokens fill them, and they go back with all its blocks.
+            owned = self._kv_cache_manager.blocks_for(row.request_id, row.start_position + steps)
+            if owned is None:
+                return  # short of blocks: one step, which may preempt next time as usual
+            blocks.append(owned)
+        for i, (row, request, owned) in enumerate(zip(scheduled, requests, blocks, strict=True)):
+            scheduled[i] = row._replace(block_ids=owned, num_steps=steps)
+            # The run's other tokens are in flight too (update takes them all off).
+            request.num_in_flight_tokens += steps - 1
+            request.num_pending_outputs += steps - 1
+
+    def _update_runs(
+        self, step: _InFlightStep, runs: Sequence[Sequence[int]]
+    ) -> tuple[list[EngineCoreOutput], bool]:
+        """`update` for a multi-step run: each row's tokens appended one by one with the stop
+        checks, what follows a stop dropped. A row's KV now holds its tokens up to the newest
+        one appended (the run fed each token to the next step)."""
+        caching = self._config.enable_prefix_caching
+        outputs: list[EngineCoreOutput] = []
+        finished_any = False
+        for row, request, tokens in zip(step.output.scheduled, step.ordered, runs, strict=True):
+            num_steps = row.num_steps
+            if len(tokens) != num_steps:
+                raise ValueError(
+                    f"request {row.request_id!r} ran {num_steps} steps but the runner returned "
+                    f"{len(tokens)} token(s)"
+                )
+            request.num_in_flight_tokens -= num_steps
+            request.num_pending_outputs -= num_steps
+            current = request.status
+            if current is not RUNNING and current in FINISHED_STATUSES:
+                self.num_discarded_tokens += num_steps
+                continue
+            history = request.history
+            emitted: list[int] = []
+            status = None
+            for token_id in tokens:
+                history.append(token_id)
+                emitted.append(token_id)
+                if token_id in request.stopping_token_ids or history.num_tokens >= request.max_num_tokens:
+                    status, stop_reason = self._stop_status(request, token_id)
+                    if status is not None:
+                        break
+            request.num_computed_tokens += len(emitted)
+            if status is not None:
+                request.stop_reason = stop_reason
+                self._finish(request, status)
+                finished_any = True
+                outputs.append(
+                    EngineCoreOutput(
+                        request.request_id, tuple(emitted), True, status.finish_reason, stop_reason
+                    )
+                )
+                continue
+            if caching:
+                self._kv_cache_manager.cache_computed_blocks(request)
+            outputs.append(EngineCoreOutput(request.request_id, tuple(emitted), False, None, None))
+        return outputs, finished_any
 
     def _waits_for_owed_tokens(self, request: Request, pending: int, speculating: bool) -> bool:
         """Whether a running request that owes `pending` tokens (sampled by steps in flight) is

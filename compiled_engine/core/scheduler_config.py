@@ -45,6 +45,11 @@ class SchedulerConfig:
     # Speculative decoding (None: off): decoding requests get proposed tokens to verify, within
     # the token budget, while at most `disable_by_batch_size` requests run.
     speculative: SpeculativeConfig | None = None
+    # Multi-step scheduling (1: off): a step whose every row decodes one greedy token, with no
+    # request waiting, runs up to this many decode steps back to back (each row's blocks allocated
+    # for all of them); the runner feeds each step's tokens to the next and returns every row's run
+    # (ModelRunnerOutput.step_token_ids), which update appends with the usual stop checks.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,10 +60,16 @@ class SchedulerConfig:
             "num_kv_blocks",
             "max_in_flight_steps",
             "pipeline_depth",
+            "num_scheduler_steps",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.num_scheduler_steps > 1 and (self.max_in_flight_steps > 1 or self.speculative is not None):
+            raise ValueError(
+                "SchedulerConfig.num_scheduler_steps > 1 needs the synchronous loop (max_in_flight_steps=1) "
+                "and no speculative decoding"
+            )
         if self.pipeline_depth > 1 and self.max_in_flight_steps != self.pipeline_depth:
             raise ValueError(
                 f"SchedulerConfig.max_in_flight_steps must equal pipeline_depth={self.pipeline_depth} "

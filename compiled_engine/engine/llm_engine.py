@@ -286,6 +286,7 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 step_token_buckets=config.compile_buckets,
                 speculative=config.speculative,
+                num_scheduler_steps=config.num_scheduler_steps,
             ),
             draft_proposer=self.draft_proposer,
         )

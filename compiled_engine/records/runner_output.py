@@ -39,3 +39,6 @@ class ModelRunnerOutput(NamedTuple):
     # Rows with proposals that asked for logprobs: one record per token the row emits (its
     # accepted proposals, then its sampled token), in order.
     draft_logprobs: dict[str, tuple[TokenLogprobs, ...]] | None = None
+    # Multi-step runs (ScheduledRequest.num_steps > 1), aligned with request_ids: each row's tokens,
+    # one per step, in order (the first is sampled_token_ids' entry). None: a plain step.
+    step_token_ids: tuple[tuple[int, ...], ...] | None = None

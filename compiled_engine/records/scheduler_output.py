@@ -40,6 +40,10 @@ class ScheduledRequest(NamedTuple):
     # was drawn from [num_draft_tokens, vocab] (float32), for the verifier's min(1, p/q) rule.
     # None: deterministic proposals (n-gram, or the draft's argmax), point masses.
     draft_probs: np.ndarray | None = None
+    # Multi-step scheduling (SchedulerConfig.num_scheduler_steps): the decode steps this row runs
+    # back to back, each fed the token the step before sampled; block_ids cover all of them. Every
+    # row of a step has the same count. 1: a plain step.
+    num_steps: int = 1
 
 
 class SchedulerOutput(NamedTuple):

@@ -23,6 +23,7 @@ from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph
 from compiled_engine.graphs.step_graph import StepGraph, build_step_graph
 from compiled_engine.graphs.step_inputs import StepInputs
 from compiled_engine.graphs.traced_step import MIN_BUFFER_BLOCKS, MIN_BUFFER_SEQS
+from compiled_engine.kernels import cpu_sampler
 from compiled_engine.kernels.backends import resolve_attention_backend
 from compiled_engine.records.request import TokenHistory
 from compiled_engine.records.runner import RunnerTimeline
@@ -34,7 +35,7 @@ from compiled_engine.worker.cpu_cores import split_cores
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.persistent_batch import PersistentBatch
-from compiled_engine.worker.sampler import Sampler, SamplingTensors, token_logprobs
+from compiled_engine.worker.sampler import Sampler, SamplingTensors, greedy_tokens_of, token_logprobs
 from compiled_engine.worker.spec_verifier import accepted_prefix, verify_proposals
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 from compiled_engine.worker.step_buffers import LogprobResults
@@ -71,6 +72,8 @@ class _Samples:
     the next step's placeholders read them there."""
 
     tokens: torch.Tensor | None = None
+    # A multi-step run's tokens, [num_steps, rows] (the first step's are `tokens`).
+    run_tokens: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -353,6 +356,8 @@ class ModelRunner:
                 slot, staged, previous_samples.tokens if previous_samples is not None else None
             )
             if self._stage_graph is not None:
+                if staged.num_steps > 1:
+                    raise RuntimeError("a pipeline stage runs one step a schedule (num_scheduler_steps=1)")
                 pending = self._stage_graph.start(inputs)
                 self.timeline.record_graph_call(step_number, self.step_graph.last_call)
 
@@ -371,6 +376,9 @@ class ModelRunner:
                 logits = self.step_graph(inputs)
                 self.timeline.record_graph_call(step_number, self.step_graph.last_call)
                 sample(logits, inputs)
+                if staged.num_steps > 1:
+                    assert samples.tokens is not None  # every row of a run samples
+                    samples.run_tokens = self._run_on(inputs, samples.tokens, staged.num_steps)
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
@@ -391,6 +399,42 @@ class ModelRunner:
         self._previous = launched
         self._in_flight.append(launched)
         return launched
+
+    def _run_on(self, inputs: StepInputs, tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Multi-step scheduling (ScheduledRequest.num_steps): the step's rows decode
+        `num_steps - 1` more tokens, each step fed the tokens the one before picked. The scheduler
+        runs only greedy rows whose logits nothing else reads, and gave each the blocks of the whole
+        run, so the host stages nothing: the tokens, positions, lengths and slots move on in the
+        step's own buffers (numpy views: CPU only, as EngineArgs allows) and the same graph (its
+        replayed plan) runs again. Returns every step's tokens, [num_steps, rows]."""
+        if inputs.input_ids.device.type != "cpu":
+            raise RuntimeError("multi-step runs are CPU-only (num_scheduler_steps)")
+        block_size = self.buffers.block_size
+        num_rows = tokens.shape[0]
+        plan = self.step_graph.decode_plan(num_rows)
+        if plan is not None and cpu_sampler.serves(plan.output):
+            # The step replayed a recorded plan: the whole run goes on in C++ from there.
+            run = torch.empty(num_steps, num_rows, dtype=torch.int64)
+            run[0] = tokens
+            plan.decode_on(cpu_sampler.greedy_kernel_address(), run, inputs, block_size)
+            return run
+        ids, positions, seq_lens = (
+            inputs.input_ids.numpy()[0],
+            inputs.positions.numpy(),
+            inputs.seq_lens.numpy(),
+        )
+        slots, table = inputs.slot_mapping.numpy(), inputs.block_tables.numpy()
+        rows = np.arange(num_rows)
+        runs = [tokens]
+        for _ in range(num_steps - 1):
+            ids[:] = runs[-1].numpy()
+            positions += 1
+            seq_lens += 1
+            position = positions[0]
+            slots[:] = table[rows, position // block_size] * block_size + position % block_size
+            logits = self.step_graph(inputs)
+            runs.append(greedy_tokens_of(logits[:num_rows]))
+        return torch.stack(runs)
 
     def _proposal_generators(
         self, scheduled: tuple[ScheduledRequest, ...], staged: StagedStep
@@ -474,6 +518,9 @@ class ModelRunner:
             num_accepted, draft_logprobs = _apply_verification(
                 launched.slot, launched.staged, launched.sampled_request_ids, tokens, logprobs
             )
+        runs = None
+        if launched.samples.run_tokens is not None:  # a multi-step run: per row, its tokens in order
+            runs = tuple(map(tuple, launched.samples.run_tokens.t().tolist()))
         return ModelRunnerOutput(
             request_ids=launched.sampled_request_ids,
             sampled_token_ids=tuple(tokens),
@@ -481,6 +528,7 @@ class ModelRunner:
             prompt_logprobs=_prompt_logprobs(launched.slot, launched.staged),
             num_accepted_drafts=num_accepted,
             draft_logprobs=draft_logprobs,
+            step_token_ids=runs,
         )
 
     def blocks_in_flight(self) -> frozenset[int]:

@@ -100,6 +100,8 @@ class StagedStep:
     # The sampling rows' request ids, and their grammar bitmasks (None: no row has one).
     sampled_request_ids: tuple[str, ...] = ()
     grammar_bitmasks: tuple[np.ndarray | None, ...] | None = None
+    # Multi-step scheduling: the decode steps every row runs (ScheduledRequest.num_steps); 1: one.
+    num_steps: int = 1
 
     @property
     def num_sampled(self) -> int:
@@ -218,6 +220,13 @@ class StagingSlot:
         columns = tuple(zip(*reqs, strict=True))
         request_ids, token_lists, start_positions, block_lists, samples = columns[:5]
         bitmasks, draft_counts = columns[7:9]
+        num_steps = columns[11][0]
+        uniform = columns[11].count(num_steps) == num_seqs
+        if num_steps != 1 and (step.num_batched_tokens != num_seqs or not all(columns[4]) or not uniform):
+            raise ValueError(
+                f"a multi-step run needs every row to decode one token, sample and run as many steps: "
+                f"got num_steps {columns[11]} over {step.num_batched_tokens} tokens"
+            )
         rows = batch.update(step, (request_ids, block_lists))
         starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
         num_tokens = step.num_batched_tokens  # the tokens of every row
@@ -366,6 +375,7 @@ class StagingSlot:
             sampled_request_ids=request_ids,
             # (`is not`, mapped in C: a mask is an array, which `==` with None would not answer.)
             grammar_bitmasks=bitmasks if any(map(is_not, bitmasks, repeat(None))) else None,
+            num_steps=num_steps,
         )
         self._size_results(staged)
         return staged
