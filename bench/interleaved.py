@@ -5,11 +5,12 @@ order, for `rounds` rounds of pytest-benchmark's `pedantic` (which records the r
 and returns each pass's median seconds, for the ratios the suites report.
 `interleaved_results(benchmark, runs, rounds, warmup_rounds)` does the same with runs that time
 themselves (bench/runners.py's `RunResult`: TPOT and all), and returns each run's results of the
-timed rounds.
+timed rounds; `interleaved_decode` runs the decode workload so on several of our engines.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -43,3 +44,15 @@ def interleaved_results(
     benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds)
     # The warm-up rounds' results (none with --benchmark-disable, which runs no warm-up) go.
     return {name: rs[warmup_rounds:] if len(rs) > rounds else rs for name, rs in results.items()}
+
+
+def interleaved_decode(
+    benchmark: Any, engines: Mapping[str, Any], requests: list, rounds: int, warmup_rounds: int
+) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
+    """`interleaved_results` of bench/runners.py's `run_engine_decode` on each of `engines`, the
+    same requests: each side's results and TPOTs (seconds) of the timed rounds."""
+    from bench.runners import run_engine_decode
+
+    runs = {side: functools.partial(run_engine_decode, llm, requests) for side, llm in engines.items()}
+    results = interleaved_results(benchmark, runs, rounds, warmup_rounds)
+    return results, {side: [r.tpot_s for r in rs] for side, rs in results.items()}

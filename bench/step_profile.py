@@ -176,20 +176,26 @@ def main(argv: list[str] | None = None) -> int:
     inside = sum(per_step.values())
     per_step["graph wrapper and ops"] -= max(0.0, inside - graph_ms)
     per_step["outside the graph"] = wall_ms - graph_ms
-    print(
-        f"{args.model} {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
-        f"{args.steps} profiled steps: "
-        f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median) under the profiler"
-    )
-    for group in GROUPS:
-        ms = per_step[group]
-        print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
-    print(f"  (attention backend: {engine.model_runner.attention_backend.name})")
+    in_order = {group: per_step[group] for group in GROUPS}
+    _print_groups(args, engine, "profiled steps", " under the profiler", walls, in_order)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     for event in events[: args.top]:
         ms = event.self_cpu_time_total / 1e3 / args.steps
         print(f"    {ms:7.3f} ms  {event.count // args.steps:4d}x  {event.key}")
     return 0
+
+
+def _print_groups(args, engine, steps_were: str, timed_how: str, walls: list[float], per_step: dict) -> None:
+    """The profile's header, then each group's milliseconds a step and share of the step."""
+    wall_ms = sum(walls) / len(walls) * 1e3
+    print(
+        f"{args.model} {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
+        f"{args.steps} {steps_were}: "
+        f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median){timed_how}"
+    )
+    for group, ms in per_step.items():
+        print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
+    print(f"  (attention backend: {engine.model_runner.attention_backend.name})")
 
 
 PLAN_GROUPS = ("linears", "attention", "other graph kernels", "outside the plan's calls")
@@ -229,16 +235,7 @@ def _profile_plan_calls(engine, args) -> int:
     if replays != args.steps:
         print(f"{replays} plan replays in {args.steps} steps: some steps ran no plan, the split is off")
     per_step = plan_call_groups(calls, args.steps, sum(walls))
-    wall_ms = sum(walls) / len(walls) * 1e3
-    print(
-        f"{args.model} {args.dtype}, {args.seqs} sequences at ~{args.context} tokens, "
-        f"{args.steps} steps with the plans' calls timed: "
-        f"step {wall_ms:.2f} ms mean ({statistics.median(walls) * 1e3:.2f} median)"
-    )
-    for group in PLAN_GROUPS:
-        ms = per_step[group]
-        print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall_ms:5.1f}%")
-    print(f"  (attention backend: {engine.model_runner.attention_backend.name})")
+    _print_groups(args, engine, "steps with the plans' calls timed", "", walls, per_step)
     by_label: dict[str, list[float]] = defaultdict(list)
     for label, seconds in calls:
         by_label[label].append(seconds * 1e3 / args.steps)

@@ -17,14 +17,12 @@ ratio of each round (above 1: runs faster).
 
 from __future__ import annotations
 
-import functools
 import statistics
 
 import pytest
 
 from bench.conftest import record
-from bench.interleaved import interleaved_results
-from bench.runners import run_engine_decode
+from bench.interleaved import interleaved_decode
 
 WARMUP_ROUNDS = 1
 RUN = 8  # num_scheduler_steps of the runs side
@@ -39,13 +37,7 @@ def test_multi_step(benchmark, bench_session, sizes, model_name, system, concurr
         "single": bench_session.engine(model_name, num_scheduler_steps=1),
     }
     benchmark.group = f"multi-step {model_name} concurrency={concurrency}"
-    results = interleaved_results(
-        benchmark,
-        {side: functools.partial(run_engine_decode, llm, requests) for side, llm in engines.items()},
-        2 * sizes.decode_rounds,
-        WARMUP_ROUNDS,
-    )
-    tpots = {side: [r.tpot_s for r in rs] for side, rs in results.items()}
+    results, tpots = interleaved_decode(benchmark, engines, requests, 2 * sizes.decode_rounds, WARMUP_ROUNDS)
     ratios = [s / r for s, r in zip(tpots["single"], tpots["runs"], strict=True)]
     record(
         benchmark,

@@ -15,14 +15,12 @@ ratio of each round (above 1: the plan faster).
 
 from __future__ import annotations
 
-import functools
 import statistics
 
 import pytest
 
 from bench.conftest import record
-from bench.interleaved import interleaved_results
-from bench.runners import run_engine_decode
+from bench.interleaved import interleaved_decode
 from bench.workloads import fixed_requests
 
 WARMUP_ROUNDS = 1
@@ -43,17 +41,11 @@ def test_step_plan(benchmark, bench_session, sizes, model_name, system, concurre
         "wrapper": bench_session.engine(model_name, max_cpu_plan_tokens=0),
     }
     benchmark.group = f"step-plan {model_name} concurrency={concurrency}"
-    results = interleaved_results(
-        benchmark,
-        {side: functools.partial(run_engine_decode, llm, requests) for side, llm in engines.items()},
-        2 * sizes.decode_rounds,
-        WARMUP_ROUNDS,
-    )
+    results, tpots = interleaved_decode(benchmark, engines, requests, 2 * sizes.decode_rounds, WARMUP_ROUNDS)
     # The plan engine really replayed plans, the other never did.
     planned = engines["plan"].engine.model_runner.step_graph.decode_graphs.graphs
     assert planned is not None and any(graph.plan is not None for graph in planned._graphs.values())
     assert engines["wrapper"].engine.model_runner.step_graph.decode_graphs.graphs is None
-    tpots = {side: [r.tpot_s for r in rs] for side, rs in results.items()}
     ratios = [w / p for w, p in zip(tpots["wrapper"], tpots["plan"], strict=True)]
     record(
         benchmark,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from compiled_engine.graphs import cpu_step_plan
+from compiled_engine.graphs.compile_cache import CompileCache
 from compiled_engine.graphs.compiled_step import CompiledStep
 from compiled_engine.graphs.cpu_step_plan import StepPlanRefused, record_step_plan
 from compiled_engine.graphs.device import CpuGraph
@@ -219,16 +220,22 @@ def test_an_op_that_allocates_its_output_is_copied_into_the_recorded_one():
 
 
 @pytest.fixture(scope="module")
-def steps(llama_dir):
+def steps(llama_dir, tmp_path_factory):
     loaded = load_model(llama_dir, dtype="float32")
     caches = random_kv_caches(loaded.model_config)
     backend = resolve_attention_backend("cpu", "cpu")
+    # One cache entry for both steps: the first to compile a bucket decides how its linears run
+    # (graphs/gemv_policy.py times them) and the other reads that decision, so the two run the same
+    # kernels and their logits can be compared bit for bit. Each timing its own could pick another
+    # form where two measure alike (it did under CI's two workers).
+    cache = CompileCache(tmp_path_factory.mktemp("plan-cache"))
+    entry = cache.entry({"format": "1", "test": "cpu-step-plan"})
     steps = []
     for max_plan_tokens in (16, 0):  # plans; and one that always calls its artifacts
         buffers = InputBuffers(64, 4, 256, BLOCK_SIZE, torch.device("cpu"))
         step = CompiledStep(
             loaded.model, caches, buffers.whole(), (1, 2, 4, 8), attention_backend=backend,
-            max_plan_tokens=max_plan_tokens,
+            max_plan_tokens=max_plan_tokens, cache=entry,
         )  # fmt: skip
         steps += [step, buffers]
     return (*steps, caches)

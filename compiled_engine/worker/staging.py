@@ -220,12 +220,14 @@ class StagingSlot:
         columns = tuple(zip(*reqs, strict=True))
         request_ids, token_lists, start_positions, block_lists, samples = columns[:5]
         bitmasks, draft_counts = columns[7:9]
-        num_steps = columns[11][0]
-        uniform = columns[11].count(num_steps) == num_seqs
-        if num_steps != 1 and (step.num_batched_tokens != num_seqs or not all(columns[4]) or not uniform):
+        counts = columns[11]  # each row's num_steps
+        num_steps = counts[0]
+        if num_steps != 1 and (
+            step.num_batched_tokens != num_seqs or not all(samples) or counts.count(num_steps) != num_seqs
+        ):
             raise ValueError(
                 f"a multi-step run needs every row to decode one token, sample and run as many steps: "
-                f"got num_steps {columns[11]} over {step.num_batched_tokens} tokens"
+                f"got num_steps {counts} over {step.num_batched_tokens} tokens"
             )
         rows = batch.update(step, (request_ids, block_lists))
         starts = np.fromiter(start_positions, dtype=np.int64, count=num_seqs)
