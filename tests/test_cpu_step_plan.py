@@ -121,6 +121,27 @@ def test_timed_replays_give_each_calls_own_time_under_its_label(tmp_path):
     assert plan.take_call_times().replays == 0
 
 
+def test_a_run_names_its_bad_arguments():
+    plan = torch.classes.compiled_engine.CpuStepPlan()
+    ids, positions = torch.zeros(2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)
+    lens, table = torch.ones(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    slots, logits = torch.zeros(2), torch.zeros(2, 9)
+    tokens = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="a null greedy kernel"):
+        plan.decode_on(0, tokens, ids, positions, lens, slots.long(), table, 16, logits)
+    with pytest.raises(ValueError, match="tokens must be a contiguous int64"):
+        plan.decode_on(1, tokens.int(), ids, positions, lens, slots.long(), table, 16, logits)
+    with pytest.raises(ValueError, match="slot_mapping must be Long with 2 contiguous columns, got Float"):
+        plan.decode_on(1, tokens, ids, positions, lens, slots, table, 16, logits)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        plan.decode_on(1, tokens, ids, positions, lens, slots.long(), table.long(), 16, logits)
+    with pytest.raises(ValueError, match="logits must be float"):
+        plan.decode_on(1, tokens, ids, positions, lens, slots.long(), table, 16, logits[:1])
+    # A row whose next position lies past its block table's 4 blocks of 16 (checked before a step runs).
+    with pytest.raises(IndexError, match="row 0 reaches position 64 past its 4 blocks"):
+        plan.decode_on(1, tokens, ids, torch.full((1, 2), 63), lens, slots.long(), table, 16, logits)
+
+
 @pytest.mark.parametrize(
     "body, reason",
     [
