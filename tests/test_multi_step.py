@@ -5,11 +5,15 @@ schedule, each fed the tokens the one before picked, and return as runs (core/sc
 from __future__ import annotations
 
 import pytest
+import torch
 
 from compiled_engine import LLM, EngineArgs, SamplingParams
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.engine_args import MAX_SCHEDULER_STEPS
+from compiled_engine.records.scheduler_output import ScheduledRequest, SchedulerOutput
 from compiled_engine.speculative_config import SpeculativeConfig
+from compiled_engine.worker.staging import StagingSlot
+from compiled_engine.worker.step_buffers import BufferSizes
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 8, 41]} for i in range(3)]
 
@@ -125,3 +129,20 @@ def test_the_scheduler_config_refuses_runs_with_steps_in_flight():
             max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, num_kv_blocks=8,
             max_in_flight_steps=2, num_scheduler_steps=4,
         )  # fmt: skip
+
+
+def test_staging_refuses_a_run_its_rows_do_not_share():
+    greedy = SamplingParams(temperature=0.0)
+
+    def row(name: str, tokens: tuple[int, ...], steps: int) -> ScheduledRequest:
+        return ScheduledRequest(name, tokens, 8, (0, 1, 2, 3), True, greedy, 1, num_steps=steps)
+
+    def fill(*rows: ScheduledRequest):
+        slot = StagingSlot(BufferSizes(64, 4, 8), 4, torch.device("cpu"))
+        return slot.fill(SchedulerOutput(rows, sum(len(r.token_ids) for r in rows), (), ()))
+
+    assert fill(row("a", (5,), 3), row("b", (6,), 3)).num_steps == 3
+    with pytest.raises(ValueError, match=r"a multi-step run needs every row .* got num_steps \(2, 3\)"):
+        fill(row("a", (5,), 2), row("b", (6,), 3))
+    with pytest.raises(ValueError, match="a multi-step run needs every row to decode one token"):
+        fill(row("a", (5, 6), 2))  # a prompt chunk cannot run on
