@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from bench.conftest import measured
+from bench.runners import run_engine_decode
+
 
 def interleaved_medians(
     benchmark: Any, passes: Mapping[str, Callable[[], object]], rounds: int, **pedantic: Any
@@ -42,8 +45,7 @@ def interleaved_results(
             results[name].append(run())
 
     benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds)
-    # The warm-up rounds' results (none with --benchmark-disable, which runs no warm-up) go.
-    return {name: rs[warmup_rounds:] if len(rs) > rounds else rs for name, rs in results.items()}
+    return {name: measured(rs, warmup_rounds) for name, rs in results.items()}
 
 
 def interleaved_decode(
@@ -51,8 +53,6 @@ def interleaved_decode(
 ) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
     """`interleaved_results` of bench/runners.py's `run_engine_decode` on each of `engines`, the
     same requests: each side's results and TPOTs (seconds) of the timed rounds."""
-    from bench.runners import run_engine_decode
-
     runs = {side: functools.partial(run_engine_decode, llm, requests) for side, llm in engines.items()}
     results = interleaved_results(benchmark, runs, rounds, warmup_rounds)
     return results, {side: [r.tpot_s for r in rs] for side, rs in results.items()}
