@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.step_profile import main as step_profile_main
 from compiled_engine import LLM, EngineArgs, SamplingParams
 from compiled_engine.core.scheduler_config import SchedulerConfig
 from compiled_engine.engine_args import MAX_SCHEDULER_STEPS
@@ -14,6 +15,7 @@ from compiled_engine.records.scheduler_output import ScheduledRequest, Scheduler
 from compiled_engine.speculative_config import SpeculativeConfig
 from compiled_engine.worker.staging import StagingSlot
 from compiled_engine.worker.step_buffers import BufferSizes
+from tests.test_bench_peers import _run_pytest
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 8, 41]} for i in range(3)]
 
@@ -146,3 +148,20 @@ def test_staging_refuses_a_run_its_rows_do_not_share():
         fill(row("a", (5,), 2), row("b", (6,), 3))
     with pytest.raises(ValueError, match="a multi-step run needs every row to decode one token"):
         fill(row("a", (5, 6), 2))  # a prompt chunk cannot run on
+
+
+@pytest.mark.parametrize("value, message", [("0", "--bench-num-scheduler-steps must be >= 1, got 0"),
+                                            ("two", "invalid int value: 'two'")])  # fmt: skip
+def test_a_bad_bench_num_scheduler_steps_stops_the_bench_session(tmp_path, value, message):
+
+    proc = _run_pytest(
+        tmp_path, "bench/test_multi_step.py", "--collect-only", "--bench-num-scheduler-steps", value
+    )
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+
+
+def test_the_step_profile_refuses_steps_that_do_not_fit_its_context(capsys):
+    with pytest.raises(SystemExit):
+        step_profile_main(["--seqs", "1", "--context", "64", "--steps", "60", "--plan-calls"])
+    assert "--steps 60 and 4 warm-up steps do not fit in --context 64" in capsys.readouterr().err
