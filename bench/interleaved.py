@@ -49,10 +49,17 @@ def interleaved_results(
 
 
 def interleaved_decode(
-    benchmark: Any, engines: Mapping[str, Any], requests: list, rounds: int, warmup_rounds: int
+    benchmark: Any,
+    engines: Mapping[str, Any],
+    requests: list,
+    rounds: int,
+    warmup_rounds: int,
+    temperature: float = 0.0,
 ) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
     """`interleaved_results` of bench/runners.py's `run_engine_decode` on each of `engines`, the
-    same requests: each side's results and TPOTs (seconds) of the timed rounds."""
-    runs = {side: functools.partial(run_engine_decode, llm, requests) for side, llm in engines.items()}
+    same requests (greedy, or drawn at `temperature`): each side's results and TPOTs (seconds) of
+    the timed rounds."""
+    decode = functools.partial(run_engine_decode, requests=requests, temperature=temperature)
+    runs = {side: functools.partial(decode, llm) for side, llm in engines.items()}
     results = interleaved_results(benchmark, runs, rounds, warmup_rounds)
     return results, {side: [r.tpot_s for r in rs] for side, rs in results.items()}

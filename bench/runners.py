@@ -74,10 +74,11 @@ def load_engine(model_dir: Path, settings: EngineSettings, dtype: str = "float32
     return LLM(model=str(model_dir), dtype=dtype, **settings.as_kwargs(), **options)
 
 
-def _greedy(max_tokens: int):
+def _greedy(max_tokens: int, temperature: float = 0.0):
+    """The suites' request parameters: greedy, or a plain temperature draw where one is asked for."""
     from compiled_engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
 
 
 def _check_lengths(got: list[int], requests: list[BenchRequest], system: str) -> None:
@@ -98,12 +99,13 @@ def run_engine_generate(llm, requests: list[BenchRequest]) -> RunResult:
     return RunResult(elapsed, sum(lengths))
 
 
-def run_engine_decode(llm, requests: list[BenchRequest]) -> RunResult:
-    """Requests added together, stepped by hand so the decode phase can be timed on its own."""
+def run_engine_decode(llm, requests: list[BenchRequest], temperature: float = 0.0) -> RunResult:
+    """Requests added together, stepped by hand so the decode phase can be timed on its own
+    (greedy, or drawn at `temperature`)."""
     engine = llm.engine
     validated = engine.validate(
         [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests],
-        [_greedy(r.output_len) for r in requests],
+        [_greedy(r.output_len, temperature) for r in requests],
     )
     start = time.perf_counter()
     lengths: dict[str, int] = {}

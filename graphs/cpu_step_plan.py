@@ -37,7 +37,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,6 +50,17 @@ _SAFE_CALLS = frozenset({"empty_strided_cpu", "reinterpret_tensor", "assert_size
 # Inductor's extern GEMMs (`extern_kernels.mm(a, b, out=buf)`: a linear the lowering left to torch),
 # replayed as ATen's out= variants.
 _EXTERN_GEMMS = frozenset({"mm", "addmm", "bmm"})
+
+
+class RunDraws(NamedTuple):
+    """How a multi-step run's sampling rows draw (`CpuStepPlan.decode_on`): kernels/cpu_sampler.cpp's
+    ce_cpu_temperature_draw by address, each row's greedy flag (bool [rows]: those keep the argmax)
+    and temperature (float32 [rows]), and one uniform number per step and row (float32 [steps, rows])."""
+
+    kernel: int
+    greedy: torch.Tensor
+    temperature: torch.Tensor
+    uniform: torch.Tensor
 
 
 class StepPlanRefused(Exception):
@@ -74,17 +85,25 @@ class CpuStepPlan:
         return self.output
 
     def decode_on(
-        self, greedy_kernel: int, tokens: torch.Tensor, inputs: StepInputs, block_size: int
+        self,
+        greedy_kernel: int,
+        tokens: torch.Tensor,
+        inputs: StepInputs,
+        block_size: int,
+        draw: RunDraws | None = None,
     ) -> None:
         """Multi-step runs: fill `tokens` ([steps + 1, rows] int64, its first row the tokens of the
         step just replayed) with `steps` more decode steps of its rows, each fed the tokens the one
         before picked (kernels/cpu_ops.cpp's CpuStepPlan.decode_on). `inputs` are the step's views
         of the buffers this plan reads; `greedy_kernel` the address of kernels/cpu_sampler.cpp's
-        ce_cpu_greedy."""
+        ce_cpu_greedy; `draw`, where some rows sample with a temperature, how they draw."""
         rows = tokens.shape[1]
+        empty = torch.empty(0)
+        kernel, greedy, temperature, uniform = (0, empty, empty, empty) if draw is None else draw
         self.plan.decode_on(
-            greedy_kernel, tokens, inputs.input_ids[0], inputs.positions, inputs.seq_lens,
-            inputs.slot_mapping, inputs.block_tables, block_size, self.output[:rows],
+            greedy_kernel, kernel, greedy, temperature, uniform, tokens, inputs.input_ids[0],
+            inputs.positions, inputs.seq_lens, inputs.slot_mapping, inputs.block_tables, block_size,
+            self.output[:rows],
         )  # fmt: skip
 
     def time_calls(self, on: bool = True) -> None:

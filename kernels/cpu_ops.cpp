@@ -780,16 +780,35 @@ struct CpuStepPlan : torch::CustomClassHolder {
   // Python between them: the tokens, positions, sequence lengths and slots move on in the step's
   // own buffers (the plan's inputs), the plan runs, and `greedy` (kernels/cpu_sampler.cpp's
   // ce_cpu_greedy, passed by address) picks each row's argmax of `logits` (the plan's output).
-  // `tokens` is int64 [steps + 1, rows], its first row the tokens of the step just run; the rest
-  // is filled here. The caller allocated every row's blocks for the whole run.
-  void decode_on(int64_t greedy, at::Tensor tokens, at::Tensor input_ids, at::Tensor positions,
-                 at::Tensor seq_lens, at::Tensor slot_mapping, at::Tensor block_tables, int64_t block_size,
-                 at::Tensor logits) {
+  // With `draw` (ce_cpu_temperature_draw's address; 0: every row greedy) the rows whose `greedy`
+  // flag is false take a draw from softmax(logits / temperature) at this step's row of `uniform`
+  // ([steps, rows], drawn by the caller in the order single steps draw them) instead, as the
+  // sampler's C++ draw does for a step. `tokens` is int64 [steps + 1, rows], its first row the
+  // tokens of the step just run; the rest is filled here. The caller allocated every row's
+  // blocks for the whole run.
+  void decode_on(int64_t greedy, int64_t draw, at::Tensor greedy_rows, at::Tensor temperature, at::Tensor uniform,
+                 at::Tensor tokens, at::Tensor input_ids, at::Tensor positions, at::Tensor seq_lens,
+                 at::Tensor slot_mapping, at::Tensor block_tables, int64_t block_size, at::Tensor logits) {
     using Greedy = int (*)(const void*, int64_t, int64_t, int64_t, int, int, int, int64_t*);
+    using Draw = int (*)(const void*, int64_t, int64_t, int64_t, int, const float*, const float*, int, int, int64_t*);
     TORCH_CHECK_VALUE(greedy != 0, "CpuStepPlan.decode_on: a null greedy kernel");
     TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
                       "CpuStepPlan.decode_on: tokens must be a contiguous int64 [steps + 1, rows]");
     const int64_t rows = tokens.size(1), steps = tokens.size(0) - 1;
+    if (draw != 0) {
+      TORCH_CHECK_VALUE(greedy_rows.dim() == 1 && greedy_rows.size(0) == rows && greedy_rows.scalar_type() == at::kBool &&
+                            greedy_rows.is_contiguous(),
+                        "CpuStepPlan.decode_on: greedy_rows must be a contiguous bool [", rows, "], got ",
+                        greedy_rows.scalar_type(), " ", greedy_rows.sizes());
+      TORCH_CHECK_VALUE(temperature.dim() == 1 && temperature.size(0) == rows &&
+                            temperature.scalar_type() == at::kFloat && temperature.is_contiguous(),
+                        "CpuStepPlan.decode_on: temperature must be a contiguous float32 [", rows, "], got ",
+                        temperature.scalar_type(), " ", temperature.sizes());
+      TORCH_CHECK_VALUE(uniform.dim() == 2 && uniform.size(0) == steps && uniform.size(1) == rows &&
+                            uniform.scalar_type() == at::kFloat && uniform.is_contiguous(),
+                        "CpuStepPlan.decode_on: uniform must be a contiguous float32 [", steps, ", ", rows, "], got ",
+                        uniform.scalar_type(), " ", uniform.sizes());
+    }
     const auto rows_of = [&](const at::Tensor& t, at::ScalarType type, const char* name) {
       TORCH_CHECK_VALUE(t.scalar_type() == type && t.size(-1) == rows && t.stride(-1) == 1, "CpuStepPlan.decode_on: ",
                         name, " must be ", type, " with ", rows, " contiguous columns, got ", t.scalar_type(), " ",
@@ -815,6 +834,8 @@ struct CpuStepPlan : torch::CustomClassHolder {
     const int64_t width = block_tables.size(1), table_stride = block_tables.stride(0);
     int64_t* out = tokens.data_ptr<int64_t>();
     const auto pick = reinterpret_cast<Greedy>(static_cast<intptr_t>(greedy));
+    std::vector<int64_t> drawn(draw != 0 ? rows : 0);
+    const bool* is_greedy = draw != 0 ? greedy_rows.data_ptr<bool>() : nullptr;
     for (int64_t step = 1; step <= steps; ++step) {
       const int64_t* fed = out + (step - 1) * rows;
       for (int64_t r = 0; r < rows; ++r) {
@@ -827,9 +848,19 @@ struct CpuStepPlan : torch::CustomClassHolder {
         slots[r] = static_cast<int64_t>(table[r * table_stride + column]) * block_size + at % block_size;
       }
       run();
+      int64_t* picked = out + step * rows;
       const int rc = pick(logits.data_ptr(), rows, logits.size(1), logits.stride(0), code, 1, at::get_num_threads(),
-                          out + step * rows);
+                          picked);
       TORCH_CHECK(rc == 0, "CpuStepPlan.decode_on: the greedy kernel rejected its arguments (code ", rc, ")");
+      if (draw != 0) {
+        const int drawn_rc = reinterpret_cast<Draw>(static_cast<intptr_t>(draw))(
+            logits.data_ptr(), rows, logits.size(1), logits.stride(0), code, temperature.data_ptr<float>(),
+            uniform.data_ptr<float>() + (step - 1) * rows, 1, at::get_num_threads(), drawn.data());
+        TORCH_CHECK(drawn_rc == 0, "CpuStepPlan.decode_on: the draw kernel rejected its arguments (code ", drawn_rc,
+                    ")");
+        for (int64_t r = 0; r < rows; ++r)
+          if (!is_greedy[r]) picked[r] = drawn[r];
+      }
     }
   }
 

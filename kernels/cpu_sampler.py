@@ -54,11 +54,20 @@ def load(directory: Path | None = None) -> ctypes.CDLL:
     return cpu_attention_build.load_library(SOURCE, _declare, directory)
 
 
-def greedy_kernel_address() -> int:
-    """ce_cpu_greedy's address, for C++ that picks tokens itself (a step plan's multi-step runs)."""
-    address = ctypes.cast(_library().ce_cpu_greedy, ctypes.c_void_p).value
+def _address(function: Any) -> int:
+    address = ctypes.cast(function, ctypes.c_void_p).value
     assert address is not None
     return address
+
+
+def temperature_draw_kernel_address() -> int:
+    """ce_cpu_temperature_draw's address, for a step plan's multi-step runs whose rows sample."""
+    return _address(_library().ce_cpu_temperature_draw)
+
+
+def greedy_kernel_address() -> int:
+    """ce_cpu_greedy's address, for C++ that picks tokens itself (a step plan's multi-step runs)."""
+    return _address(_library().ce_cpu_greedy)
 
 
 @cache

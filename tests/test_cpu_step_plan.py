@@ -126,20 +126,36 @@ def test_a_run_names_its_bad_arguments():
     ids, positions = torch.zeros(2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)
     lens, table = torch.ones(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
     slots, logits = torch.zeros(2), torch.zeros(2, 9)
+    long_slots = slots.long()
     tokens = torch.zeros(3, 2, dtype=torch.int64)
+    none = torch.empty(0)
+    greedy, temperature, uniform = torch.zeros(2, dtype=torch.bool), torch.ones(2), torch.rand(2, 2)
+
+    def run(kernel, tokens=tokens, slots=long_slots, table=table, logits=logits, positions=positions,
+            draw=None):  # fmt: skip
+        draws = (0, none, none, none) if draw is None else draw
+        plan.decode_on(kernel, *draws, tokens, ids, positions, lens, slots, table, 16, logits)
+
     with pytest.raises(ValueError, match="a null greedy kernel"):
-        plan.decode_on(0, tokens, ids, positions, lens, slots.long(), table, 16, logits)
+        run(0)
     with pytest.raises(ValueError, match="tokens must be a contiguous int64"):
-        plan.decode_on(1, tokens.int(), ids, positions, lens, slots.long(), table, 16, logits)
+        run(1, tokens=tokens.int())
     with pytest.raises(ValueError, match="slot_mapping must be Long with 2 contiguous columns, got Float"):
-        plan.decode_on(1, tokens, ids, positions, lens, slots, table, 16, logits)
+        run(1, slots=slots)
     with pytest.raises(ValueError, match="block_tables must be int32"):
-        plan.decode_on(1, tokens, ids, positions, lens, slots.long(), table.long(), 16, logits)
+        run(1, table=table.long())
     with pytest.raises(ValueError, match="logits must be float"):
-        plan.decode_on(1, tokens, ids, positions, lens, slots.long(), table, 16, logits[:1])
+        run(1, logits=logits[:1])
+    # A draw's rows: a greedy flag, a temperature and a uniform number a step for each.
+    with pytest.raises(ValueError, match=r"greedy_rows must be a contiguous bool \[2\], got Int"):
+        run(1, draw=(1, greedy.int(), temperature, uniform))
+    with pytest.raises(ValueError, match=r"temperature must be a contiguous float32 \[2\], got Float \[3\]"):
+        run(1, draw=(1, greedy, torch.ones(3), uniform))
+    with pytest.raises(ValueError, match=r"uniform must be a contiguous float32 \[2, 2\], got Float \[1,"):
+        run(1, draw=(1, greedy, temperature, uniform[:1]))
     # A row whose next position lies past its block table's 4 blocks of 16 (checked before a step runs).
     with pytest.raises(IndexError, match="row 0 reaches position 64 past its 4 blocks"):
-        plan.decode_on(1, tokens, ids, torch.full((1, 2), 63), lens, slots.long(), table, 16, logits)
+        run(1, positions=torch.full((1, 2), 63))
 
 
 @pytest.mark.parametrize(

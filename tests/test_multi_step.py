@@ -1,6 +1,6 @@
-"""Multi-step scheduling (`num_scheduler_steps`): greedy decode steps run back to back in one
-schedule, each fed the tokens the one before picked, and return as runs (core/scheduler.py
-`_run_steps` / `_update_runs`, worker/model_runner.py `_run_on`)."""
+"""Multi-step scheduling (`num_scheduler_steps`): greedy or temperature-drawn decode steps run back
+to back in one schedule, each fed the tokens the one before picked, and return as runs
+(core/scheduler.py `_run_steps` / `_update_runs`, worker/model_runner.py `_run_on`)."""
 
 from __future__ import annotations
 
@@ -82,15 +82,52 @@ def test_runs_generate_what_single_steps_generate_and_free_every_block(llama_dir
     assert steps[1] == 11 and steps[5] < steps[1]
 
 
-def test_sampled_requests_take_single_steps(llama_dir, tmp_path):
-    seeded = [SamplingParams(max_tokens=6, temperature=0.8, seed=7 + i) for i in range(2)]
+def test_temperature_draws_run_and_sample_what_single_steps_sample(llama_dir, tmp_path):
+    # Rows that draw with a temperature alone from the engine's generator run beside a greedy row:
+    # a run draws the uniform numbers single steps draw, in their order, so the tokens are the same.
+    params = [SamplingParams(max_tokens=9, temperature=t, ignore_eos=True) for t in (0.8, 0.0, 1.3)]
+    results, steps = {}, {}
+    for k, plan_tokens in ((1, 16), (4, 16), (4, 0)):
+        llm = _engine(llama_dir, tmp_path, k, plan_tokens=plan_tokens)
+        results[k, plan_tokens], steps[k, plan_tokens] = _generate(llm, PROMPTS, params)
+        assert (llm.engine.model_runner.step_graph.decode_plan(3) is not None) == (plan_tokens > 0)
+        manager = llm.engine.core.scheduler.kv_cache_manager
+        assert manager.num_free_blocks == manager.num_blocks
+        llm.close()
+    assert results[4, 16] == results[1, 16]  # runs in C++ (the plan's decode_on)
+    assert results[4, 0] == results[1, 16]  # runs through the step graph and the sampler
+    assert steps[4, 16] == steps[4, 0] < steps[1, 16]
+    # The draws are draws: the two sampled rows differ from what greedy picks for their prompts.
+    greedy_llm = _engine(llama_dir, tmp_path, 1)
+    greedy, _ = _generate(
+        greedy_llm, PROMPTS, [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)] * 3
+    )
+    greedy_llm.close()
+    assert greedy[1] == results[1, 16][1]
+    assert greedy[0] != results[1, 16][0] or greedy[2] != results[1, 16][2]
+
+
+@pytest.mark.parametrize(
+    "sampled",
+    [
+        {"seed": 7},  # its own generator
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"min_p": 0.05},
+    ],
+)
+def test_other_sampled_requests_take_single_steps(llama_dir, tmp_path, sampled):
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.8, **sampled),
+        SamplingParams(max_tokens=6, temperature=0.8),
+    ]
     results, steps = {}, {}
     for k in (1, 4):
         llm = _engine(llama_dir, tmp_path, k)
-        results[k], steps[k] = _generate(llm, PROMPTS[:2], seeded)
+        results[k], steps[k] = _generate(llm, PROMPTS[:2], params)
         llm.close()
     assert results[4] == results[1]
-    assert steps[4] == steps[1]  # a sampled row keeps every step to itself
+    assert steps[4] == steps[1]  # such a row keeps every step to itself, and its step's rows with it
 
 
 def test_no_run_while_a_request_waits(llama_dir, tmp_path):

@@ -18,6 +18,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.distributed.layout import TensorParallelLayout
 from compiled_engine.graphs.background_builds import CompilerProcess
 from compiled_engine.graphs.compile_cache import CompileCache, usable_compile_cache, use_inductor_cache_in
+from compiled_engine.graphs.cpu_step_plan import RunDraws
 from compiled_engine.graphs.device import Event
 from compiled_engine.graphs.pipeline_step_graph import PipelineStepGraph
 from compiled_engine.graphs.step_graph import StepGraph, build_step_graph
@@ -35,7 +36,7 @@ from compiled_engine.worker.cpu_cores import split_cores
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.persistent_batch import PersistentBatch
-from compiled_engine.worker.sampler import Sampler, SamplingTensors, greedy_tokens_of, token_logprobs
+from compiled_engine.worker.sampler import Sampler, SamplingTensors, token_logprobs
 from compiled_engine.worker.spec_verifier import accepted_prefix, verify_proposals
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 from compiled_engine.worker.step_buffers import LogprobResults
@@ -378,7 +379,8 @@ class ModelRunner:
                 sample(logits, inputs)
                 if staged.num_steps > 1:
                     assert samples.tokens is not None  # every row of a run samples
-                    samples.run_tokens = self._run_on(inputs, samples.tokens, staged.num_steps)
+                    tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
+                    samples.run_tokens = self._run_on(inputs, samples.tokens, staged.num_steps, tensors)
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
@@ -400,15 +402,25 @@ class ModelRunner:
         self._in_flight.append(launched)
         return launched
 
-    def _run_on(self, inputs: StepInputs, tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+    def _run_on(
+        self, inputs: StepInputs, tokens: torch.Tensor, num_steps: int, params: SamplingTensors
+    ) -> torch.Tensor:
         """Multi-step scheduling (ScheduledRequest.num_steps): the step's rows decode
         `num_steps - 1` more tokens, each step fed the tokens the one before picked. The scheduler
-        runs only greedy rows whose logits nothing else reads, and gave each the blocks of the whole
-        run, so the host stages nothing: the tokens, positions, lengths and slots move on in the
-        step's own buffers (numpy views: CPU only, as EngineArgs allows) and the same graph (its
-        replayed plan) runs again. Returns every step's tokens, [num_steps, rows]."""
+        runs only rows that pick greedily or draw with a temperature alone from the engine's
+        generator, whose logits nothing else reads, and gave each the blocks of the whole run, so
+        the host stages nothing: the tokens, positions, lengths and slots move on in the step's own
+        buffers (numpy views: CPU only, as EngineArgs allows) and the same graph (its replayed
+        plan) runs again. A run's rows draw the uniform numbers single steps would, in the same
+        order (one [rows] draw a step from the engine's generator, none when every row is greedy),
+        so a run samples the tokens single steps sample. Returns every step's tokens,
+        [num_steps, rows]."""
         if inputs.input_ids.device.type != "cpu":
             raise RuntimeError("multi-step runs are CPU-only (num_scheduler_steps)")
+        if any(generator is not None for generator in params.generators):
+            raise RuntimeError("a multi-step run draws from the engine's generator only (no seeded rows)")
+        if params.changes_logits or params.min_p is not None or params.needs_top_k or params.needs_top_p:
+            raise RuntimeError("a multi-step run's rows sample with a temperature alone")
         block_size = self.buffers.block_size
         num_rows = tokens.shape[0]
         plan = self.step_graph.decode_plan(num_rows)
@@ -416,7 +428,16 @@ class ModelRunner:
             # The step replayed a recorded plan: the whole run goes on in C++ from there.
             run = torch.empty(num_steps, num_rows, dtype=torch.int64)
             run[0] = tokens
-            plan.decode_on(cpu_sampler.greedy_kernel_address(), run, inputs, block_size)
+            draw = None
+            if not params.all_greedy:
+                uniform = torch.rand(num_steps - 1, num_rows, generator=params.default_generator)
+                draw = RunDraws(
+                    cpu_sampler.temperature_draw_kernel_address(),
+                    params.greedy.contiguous(),
+                    params.temperature.contiguous(),
+                    uniform,
+                )
+            plan.decode_on(cpu_sampler.greedy_kernel_address(), run, inputs, block_size, draw)
             return run
         ids, positions, seq_lens = (
             inputs.input_ids.numpy()[0],
@@ -433,7 +454,7 @@ class ModelRunner:
             position = positions[0]
             slots[:] = table[rows, position // block_size] * block_size + position % block_size
             logits = self.step_graph(inputs)
-            runs.append(greedy_tokens_of(logits[:num_rows]))
+            runs.append(self.sampler(logits[:num_rows], params))
         return torch.stack(runs)
 
     def _proposal_generators(
