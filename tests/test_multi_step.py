@@ -83,9 +83,14 @@ def test_runs_generate_what_single_steps_generate_and_free_every_block(llama_dir
 
 
 def test_temperature_draws_run_and_sample_what_single_steps_sample(llama_dir, tmp_path):
-    # Rows that draw with a temperature alone from the engine's generator run beside a greedy row:
-    # a run draws the uniform numbers single steps draw, in their order, so the tokens are the same.
-    params = [SamplingParams(max_tokens=9, temperature=t, ignore_eos=True) for t in (0.8, 0.0, 1.3)]
+    # Rows that draw with a temperature alone run beside a greedy row, one from the engine's
+    # generator, one seeded (its own generator a step): a run draws the uniform numbers single steps
+    # draw, in their order, so the tokens are the same.
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.8, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=1.3, seed=11, ignore_eos=True),
+    ]
     results, steps = {}, {}
     for k, plan_tokens in ((1, 16), (4, 16), (4, 0)):
         llm = _engine(llama_dir, tmp_path, k, plan_tokens=plan_tokens)
@@ -110,7 +115,6 @@ def test_temperature_draws_run_and_sample_what_single_steps_sample(llama_dir, tm
 @pytest.mark.parametrize(
     "sampled",
     [
-        {"seed": 7},  # its own generator
         {"top_p": 0.9},
         {"top_k": 5},
         {"min_p": 0.05},

@@ -655,8 +655,8 @@ class Scheduler:
     def _run_steps(self, scheduled: list[ScheduledRequest], requests: list[Request]) -> None:
         """Multi-step scheduling: make the step a run of up to `num_scheduler_steps` decode steps
         (each row's `num_steps`, its blocks allocated for all of them) when every row decodes one
-        token of a request that picks greedily or draws with a temperature alone from the engine's
-        generator (no seed, top-k, top-p or min-p), with nothing that reads the logits (penalties,
+        token of a request that picks greedily or draws with a temperature alone (no top-k, top-p
+        or min-p), with nothing that reads the logits (penalties,
         bias, min_tokens still owed, logprobs, a grammar) and no request waits: a run delays any
         new request by its length. As long as the request with the fewest tokens left allows, so
         no row passes max_tokens or the model length. Rows are left as they are otherwise."""
@@ -1049,5 +1049,5 @@ def _return_in_flight(scheduled: Iterable[ScheduledRequest], requests: Iterable[
 
 def _draws_with_temperature_alone(params: SamplingParams) -> bool:
     """Whether a sampled request's draws are the plain temperature draw a multi-step run makes:
-    from the engine's generator (no seed of its own), with no top-k, top-p or min-p."""
-    return params.seed is None and params.top_k == -1 and params.top_p == 1.0 and params.min_p == 0.0
+    no top-k, top-p or min-p."""
+    return params.top_k == -1 and params.top_p == 1.0 and params.min_p == 0.0

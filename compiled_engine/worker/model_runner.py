@@ -380,7 +380,9 @@ class ModelRunner:
                 if staged.num_steps > 1:
                     assert samples.tokens is not None  # every row of a run samples
                     tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
-                    samples.run_tokens = self._run_on(inputs, samples.tokens, staged.num_steps, tensors)
+                    samples.run_tokens = self._run_on(
+                        inputs, scheduled, samples.tokens, staged.num_steps, tensors
+                    )
             self.timeline.execute_s += time.perf_counter() - began
 
         self.stream.submit(work)
@@ -403,22 +405,24 @@ class ModelRunner:
         return launched
 
     def _run_on(
-        self, inputs: StepInputs, tokens: torch.Tensor, num_steps: int, params: SamplingTensors
+        self,
+        inputs: StepInputs,
+        scheduled: tuple[ScheduledRequest, ...],
+        tokens: torch.Tensor,
+        num_steps: int,
+        params: SamplingTensors,
     ) -> torch.Tensor:
         """Multi-step scheduling (ScheduledRequest.num_steps): the step's rows decode
         `num_steps - 1` more tokens, each step fed the tokens the one before picked. The scheduler
-        runs only rows that pick greedily or draw with a temperature alone from the engine's
-        generator, whose logits nothing else reads, and gave each the blocks of the whole run, so
-        the host stages nothing: the tokens, positions, lengths and slots move on in the step's own
-        buffers (numpy views: CPU only, as EngineArgs allows) and the same graph (its replayed
-        plan) runs again. A run's rows draw the uniform numbers single steps would, in the same
-        order (one [rows] draw a step from the engine's generator, none when every row is greedy),
-        so a run samples the tokens single steps sample. Returns every step's tokens,
-        [num_steps, rows]."""
+        runs only rows (`scheduled`, every one sampling) that pick greedily or draw with a
+        temperature alone, whose logits nothing else reads, and gave each the blocks of the whole
+        run, so the host stages nothing: the tokens, positions, lengths and slots move on in the
+        step's own buffers (numpy views: CPU only, as EngineArgs allows) and the same graph (its
+        replayed plan) runs again. A run's rows draw the uniform numbers single steps would, in
+        the same order (`_run_uniforms`), so a run samples the tokens single steps sample.
+        Returns every step's tokens, [num_steps, rows]."""
         if inputs.input_ids.device.type != "cpu":
             raise RuntimeError("multi-step runs are CPU-only (num_scheduler_steps)")
-        if any(generator is not None for generator in params.generators):
-            raise RuntimeError("a multi-step run draws from the engine's generator only (no seeded rows)")
         if params.changes_logits or params.min_p is not None or params.needs_top_k or params.needs_top_p:
             raise RuntimeError("a multi-step run's rows sample with a temperature alone")
         block_size = self.buffers.block_size
@@ -430,12 +434,11 @@ class ModelRunner:
             run[0] = tokens
             draw = None
             if not params.all_greedy:
-                uniform = torch.rand(num_steps - 1, num_rows, generator=params.default_generator)
                 draw = RunDraws(
                     cpu_sampler.temperature_draw_kernel_address(),
                     params.greedy.contiguous(),
                     params.temperature.contiguous(),
-                    uniform,
+                    self._run_uniforms(scheduled, num_steps, params),
                 )
             plan.decode_on(cpu_sampler.greedy_kernel_address(), run, inputs, block_size, draw)
             return run
@@ -447,15 +450,33 @@ class ModelRunner:
         slots, table = inputs.slot_mapping.numpy(), inputs.block_tables.numpy()
         rows = np.arange(num_rows)
         runs = [tokens]
-        for _ in range(num_steps - 1):
+        for step in range(1, num_steps):
+            # A seeded row's generator is a function of its output count (`seeded_generator`).
+            generators = tuple(self._generator_for(row, step) for row in scheduled)
+            step_params = dataclasses.replace(params, generators=generators)
             ids[:] = runs[-1].numpy()
             positions += 1
             seq_lens += 1
             position = positions[0]
             slots[:] = table[rows, position // block_size] * block_size + position % block_size
             logits = self.step_graph(inputs)
-            runs.append(self.sampler(logits[:num_rows], params))
+            runs.append(self.sampler(logits[:num_rows], step_params))
         return torch.stack(runs)
+
+    def _run_uniforms(
+        self, scheduled: tuple[ScheduledRequest, ...], num_steps: int, params: SamplingTensors
+    ) -> torch.Tensor:
+        """The uniform numbers the steps after a run's first would draw one by one, float32
+        [num_steps - 1, rows]: the sampler's `uniform_noise` of each step, a [rows] draw from the
+        engine's generator (a CPU generator fills a tensor in order: one [steps, rows] draw is the
+        same stream), then a seeded row's number from its own generator of that step."""
+        uniform = torch.rand(num_steps - 1, len(scheduled), generator=params.default_generator)
+        for i, row in enumerate(scheduled):
+            for step in range(1, num_steps):
+                generator = self._generator_for(row, step)
+                if generator is not None:
+                    uniform[step - 1, i] = torch.rand((), generator=generator)
+        return uniform
 
     def _proposal_generators(
         self, scheduled: tuple[ScheduledRequest, ...], staged: StagedStep
@@ -509,12 +530,13 @@ class ModelRunner:
             results = token_logprobs(proposal_logits, emitted, staged.num_top_logprobs)
             _copy_logprobs(slot.buffers.proposal_logprobs, results)
 
-    def _generator_for(self, request: ScheduledRequest) -> torch.Generator | None:
-        """A seeded sampling row's own generator; None for greedy rows and for the shared stream."""
+    def _generator_for(self, request: ScheduledRequest, ahead: int = 0) -> torch.Generator | None:
+        """A seeded sampling row's own generator (`ahead` tokens on: a multi-step run's later
+        steps); None for greedy rows and for the shared stream."""
         params = request.sampling_params
         if params.greedy or params.seed is None:
             return None
-        return seeded_generator(params.seed, request.num_output_tokens, self.device)
+        return seeded_generator(params.seed, request.num_output_tokens + ahead, self.device)
 
     def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step (the oldest not yet collected) and return its tokens."""
