@@ -9,8 +9,8 @@ decode workload's requests on one engine, then on the other, so both see the sam
 noisy machine. TPOT as bench/test_decode.py measures it (counted in tokens: a run adds several a
 step).
 
-    python -m pytest bench/test_multi_step.py -q -s -p no:cacheprovider -k "greedy and 1]" \\
-        [--bench-model qwen2.5-0.5b-shape] [--bench-dtype bfloat16]      # or -k "t0.8 and 1]"
+    python -m pytest bench/test_multi_step.py -q -s -p no:cacheprovider -k "ours-1-greedy" \\
+        [--bench-model qwen2.5-0.5b-shape] [--bench-dtype bfloat16]      # or -k "ours-1-t0.8"
 
 Printed and in extra_info: each side's TPOT per round, their medians, and the single / runs
 ratio of each round (above 1: runs faster).
