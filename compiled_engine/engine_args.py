@@ -259,9 +259,9 @@ class EngineArgs:
     )
     num_scheduler_steps: int = option(
         1,
-        "decode steps one schedule runs back to back while every running request picks greedily or "
-        "draws with a temperature alone (no top-k, top-p, min-p) and none waits (vLLM's "
-        "multi-step scheduling): the host's work around a step is paid once "
+        "decode steps one schedule runs back to back while every running request decodes with "
+        "nothing but the sampler reading its logits (no penalties, bias, logprobs, grammar) and none "
+        "waits (vLLM's multi-step scheduling): the host's work around a step is paid once "
         f"a run, and tokens stream in runs of up to this many; CPU, synchronous loop; 1 to "
         f"{MAX_SCHEDULER_STEPS} (docs/performance.md)",
     )

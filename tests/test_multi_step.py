@@ -1,5 +1,5 @@
-"""Multi-step scheduling (`num_scheduler_steps`): greedy or temperature-drawn decode steps run back
-to back in one schedule, each fed the tokens the one before picked, and return as runs
+"""Multi-step scheduling (`num_scheduler_steps`): greedy or sampled decode steps run back to back
+in one schedule, each fed the tokens the one before picked, and return as runs
 (core/scheduler.py `_run_steps` / `_update_runs`, worker/model_runner.py `_run_on`)."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_temperature_draws_run_and_sample_what_single_steps_sample(llama_dir, tm
     assert results[4, 16] == results[1, 16]  # runs in C++ (the plan's decode_on)
     assert results[4, 0] == results[1, 16]  # runs through the step graph and the sampler
     assert steps[4, 16] == steps[4, 0] < steps[1, 16]
-    # The draws are draws: the two sampled rows differ from what greedy picks for their prompts.
+    # The draws are draws: a sampled row's tokens are not what greedy picks for its prompt.
     greedy_llm = _engine(llama_dir, tmp_path, 1)
     greedy, _ = _generate(
         greedy_llm, PROMPTS, [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)] * 3
@@ -112,18 +112,13 @@ def test_temperature_draws_run_and_sample_what_single_steps_sample(llama_dir, tm
     assert greedy[0] != results[1, 16][0] or greedy[2] != results[1, 16][2]
 
 
-@pytest.mark.parametrize(
-    "sampled",
-    [
-        {"top_p": 0.9},
-        {"top_k": 5},
-        {"min_p": 0.05},
-    ],
-)
-def test_other_sampled_requests_take_single_steps(llama_dir, tmp_path, sampled):
+@pytest.mark.parametrize("sampled", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.05, "seed": 3}])
+def test_top_k_top_p_and_min_p_rows_run_through_the_sampler(llama_dir, tmp_path, sampled):
+    # Rows the C++ draw does not serve run in Python, each step through the step graph (its plan
+    # replayed) and the sampler: still the tokens single steps sample.
     params = [
-        SamplingParams(max_tokens=6, temperature=0.8, **sampled),
-        SamplingParams(max_tokens=6, temperature=0.8),
+        SamplingParams(max_tokens=7, temperature=0.9, ignore_eos=True, **sampled),
+        SamplingParams(max_tokens=7, temperature=0.8, ignore_eos=True),
     ]
     results, steps = {}, {}
     for k in (1, 4):
@@ -131,7 +126,7 @@ def test_other_sampled_requests_take_single_steps(llama_dir, tmp_path, sampled):
         results[k], steps[k] = _generate(llm, PROMPTS[:2], params)
         llm.close()
     assert results[4] == results[1]
-    assert steps[4] == steps[1]  # such a row keeps every step to itself, and its step's rows with it
+    assert steps[4] < steps[1]
 
 
 def test_no_run_while_a_request_waits(llama_dir, tmp_path):

@@ -94,7 +94,6 @@ from compiled_engine.records.engine_core_output import EngineCoreOutput
 from compiled_engine.records.request import FINISHED_STATUSES, Request, RequestStatus
 from compiled_engine.records.runner_output import ModelRunnerOutput
 from compiled_engine.records.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from compiled_engine.sampling_params import SamplingParams
 
 RUNNING = RequestStatus.RUNNING
 _NO_PROPOSAL = DraftProposal(())
@@ -655,8 +654,7 @@ class Scheduler:
     def _run_steps(self, scheduled: list[ScheduledRequest], requests: list[Request]) -> None:
         """Multi-step scheduling: make the step a run of up to `num_scheduler_steps` decode steps
         (each row's `num_steps`, its blocks allocated for all of them) when every row decodes one
-        token of a request that picks greedily or draws with a temperature alone (no top-k, top-p
-        or min-p), with nothing that reads the logits (penalties,
+        token of a request that samples (greedily or not) with nothing that reads the logits (penalties,
         bias, min_tokens still owed, logprobs, a grammar) and no request waits: a run delays any
         new request by its length. As long as the request with the fewest tokens left allows, so
         no row passes max_tokens or the model length. Rows are left as they are otherwise."""
@@ -670,7 +668,6 @@ class Scheduler:
                 and row.sample
                 and row.grammar_bitmask is None
                 and not row.num_draft_tokens
-                and (params.greedy or _draws_with_temperature_alone(params))
                 and not params.has_penalties
                 and not params.logit_bias
                 and params.logprobs is None
@@ -1045,9 +1042,3 @@ def _return_in_flight(scheduled: Iterable[ScheduledRequest], requests: Iterable[
         request.num_in_flight_tokens -= len(row.token_ids)
         request.num_pending_outputs -= row.sample
         request.has_proposals_in_flight = False  # a step with proposals has no other in flight
-
-
-def _draws_with_temperature_alone(params: SamplingParams) -> bool:
-    """Whether a sampled request's draws are the plain temperature draw a multi-step run makes:
-    no top-k, top-p or min-p."""
-    return params.top_k == -1 and params.top_p == 1.0 and params.min_p == 0.0

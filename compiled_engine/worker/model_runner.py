@@ -414,21 +414,25 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Multi-step scheduling (ScheduledRequest.num_steps): the step's rows decode
         `num_steps - 1` more tokens, each step fed the tokens the one before picked. The scheduler
-        runs only rows (`scheduled`, every one sampling) that pick greedily or draw with a
-        temperature alone, whose logits nothing else reads, and gave each the blocks of the whole
-        run, so the host stages nothing: the tokens, positions, lengths and slots move on in the
-        step's own buffers (numpy views: CPU only, as EngineArgs allows) and the same graph (its
-        replayed plan) runs again. A run's rows draw the uniform numbers single steps would, in
-        the same order (`_run_uniforms`), so a run samples the tokens single steps sample.
-        Returns every step's tokens, [num_steps, rows]."""
+        runs only rows (`scheduled`, every one sampling) whose logits nothing but the sampler
+        reads, and gave each the blocks of the whole run, so the host stages nothing: the tokens,
+        positions, lengths and slots move on in the step's own buffers (numpy views: CPU only, as
+        EngineArgs allows) and the same graph (its replayed plan) runs again. Where every row
+        picks greedily or draws with a temperature alone, and the step replayed a plan, the run
+        goes on in C++ (`CpuStepPlan.decode_on`, the sampler's C++ kernels); rows with top-k,
+        top-p or min-p run in Python, each step through the step graph and the sampler. Either
+        way a run's rows draw the uniform numbers single steps would, in the same order
+        (`_run_uniforms`, or the sampler itself), so a run samples the tokens single steps
+        sample. Returns every step's tokens, [num_steps, rows]."""
         if inputs.input_ids.device.type != "cpu":
             raise RuntimeError("multi-step runs are CPU-only (num_scheduler_steps)")
-        if params.changes_logits or params.min_p is not None or params.needs_top_k or params.needs_top_p:
-            raise RuntimeError("a multi-step run's rows sample with a temperature alone")
+        if params.changes_logits:
+            raise RuntimeError("a multi-step run's logits are the model's (no penalties, bias or min_tokens)")
         block_size = self.buffers.block_size
         num_rows = tokens.shape[0]
         plan = self.step_graph.decode_plan(num_rows)
-        if plan is not None and cpu_sampler.serves(plan.output):
+        temperature_alone = params.min_p is None and not params.needs_top_k and not params.needs_top_p
+        if plan is not None and temperature_alone and cpu_sampler.serves(plan.output):
             # The step replayed a recorded plan: the whole run goes on in C++ from there.
             run = torch.empty(num_steps, num_rows, dtype=torch.int64)
             run[0] = tokens
