@@ -74,7 +74,7 @@ def load_engine(model_dir: Path, settings: EngineSettings, dtype: str = "float32
     return LLM(model=str(model_dir), dtype=dtype, **settings.as_kwargs(), **options)
 
 
-def _greedy(max_tokens: int, temperature: float = 0.0):
+def _bench_params(max_tokens: int, temperature: float = 0.0):
     """The suites' request parameters: greedy, or a plain temperature draw where one is asked for."""
     from compiled_engine import SamplingParams
 
@@ -90,7 +90,7 @@ def _check_lengths(got: list[int], requests: list[BenchRequest], system: str) ->
 def run_engine_generate(llm, requests: list[BenchRequest]) -> RunResult:
     """All requests through `LLM.generate` (continuous batching decides the steps)."""
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
-    params = [_greedy(r.output_len) for r in requests]
+    params = [_bench_params(r.output_len) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -105,7 +105,7 @@ def run_engine_decode(llm, requests: list[BenchRequest], temperature: float = 0.
     engine = llm.engine
     validated = engine.validate(
         [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests],
-        [_greedy(r.output_len, temperature) for r in requests],
+        [_bench_params(r.output_len, temperature) for r in requests],
     )
     start = time.perf_counter()
     lengths: dict[str, int] = {}

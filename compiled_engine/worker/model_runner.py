@@ -36,7 +36,7 @@ from compiled_engine.worker.cpu_cores import split_cores
 from compiled_engine.worker.execution_stream import stream_for
 from compiled_engine.worker.input_buffers import InputBuffers
 from compiled_engine.worker.persistent_batch import PersistentBatch
-from compiled_engine.worker.sampler import Sampler, SamplingTensors, token_logprobs
+from compiled_engine.worker.sampler import Sampler, SamplingTensors, draws_in_cpp, token_logprobs
 from compiled_engine.worker.spec_verifier import accepted_prefix, verify_proposals
 from compiled_engine.worker.staging import RequestState, StagedStep, StagingSlot
 from compiled_engine.worker.step_buffers import LogprobResults
@@ -320,8 +320,10 @@ class ModelRunner:
         step_number = self.timeline.num_steps
         self.timeline.prepare_s += time.perf_counter() - started
 
-        def sample(logits: torch.Tensor, inputs: StepInputs) -> None:
-            # Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
+        def sample(logits: torch.Tensor, inputs: StepInputs) -> SamplingTensors | None:
+            """Sampling rows first, then prompt-logprobs rows; raw model logits (never modified).
+            Returns the sampling rows' settings (None: no row samples)."""
+            tensors = None
             k = len(generators)
             if k:
                 tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
@@ -348,6 +350,7 @@ class ModelRunner:
                 targets = self.buffers.prompt_logprob_targets(e)
                 results = token_logprobs(logits[k : k + e], targets, staged.num_top_prompt_logprobs)
                 _copy_logprobs(slot.buffers.prompt_logprobs, results)
+            return tensors
 
         finish: list[Callable[[], None]] = []
 
@@ -376,10 +379,9 @@ class ModelRunner:
             else:
                 logits = self.step_graph(inputs)
                 self.timeline.record_graph_call(step_number, self.step_graph.last_call)
-                sample(logits, inputs)
+                tensors = sample(logits, inputs)
                 if staged.num_steps > 1:
-                    assert samples.tokens is not None  # every row of a run samples
-                    tensors = self.buffers.sampling_tensors(staged, generators, self.generator)
+                    assert samples.tokens is not None and tensors is not None  # every row of a run samples
                     samples.run_tokens = self._run_on(
                         inputs, scheduled, samples.tokens, staged.num_steps, tensors
                     )
@@ -431,8 +433,7 @@ class ModelRunner:
         block_size = self.buffers.block_size
         num_rows = tokens.shape[0]
         plan = self.step_graph.decode_plan(num_rows)
-        temperature_alone = params.min_p is None and not params.needs_top_k and not params.needs_top_p
-        if plan is not None and temperature_alone and cpu_sampler.serves(plan.output):
+        if plan is not None and draws_in_cpp(plan.output, params):
             # The step replayed a recorded plan: the whole run goes on in C++ from there.
             run = torch.empty(num_steps, num_rows, dtype=torch.int64)
             run[0] = tokens
@@ -454,10 +455,12 @@ class ModelRunner:
         slots, table = inputs.slot_mapping.numpy(), inputs.block_tables.numpy()
         rows = np.arange(num_rows)
         runs = [tokens]
+        seeded = any(generator is not None for generator in params.generators)
+        step_params = params
         for step in range(1, num_steps):
-            # A seeded row's generator is a function of its output count (`seeded_generator`).
-            generators = tuple(self._generator_for(row, step) for row in scheduled)
-            step_params = dataclasses.replace(params, generators=generators)
+            if seeded:  # a seeded row's generator is a function of its output count (`seeded_generator`)
+                generators = tuple(self._generator_for(row, step) for row in scheduled)
+                step_params = dataclasses.replace(params, generators=generators)
             ids[:] = runs[-1].numpy()
             positions += 1
             seq_lens += 1

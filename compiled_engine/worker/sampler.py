@@ -307,7 +307,7 @@ class Sampler:
         greedy_tokens = greedy_tokens_of(logits)
         if params.all_greedy:
             return greedy_tokens
-        if _draws_in_cpp(logits, params):
+        if draws_in_cpp(logits, params):
             # target_probs and categorical_draw in one C++ pass a row (kernels/cpu_sampler.py):
             # the same uniform numbers, the same distribution.
             uniform = uniform_noise(len(logits), logits.device, params)
@@ -317,9 +317,10 @@ class Sampler:
         return torch.where(params.greedy, greedy_tokens, sampled_tokens)
 
 
-def _draws_in_cpp(logits: torch.Tensor, params: SamplingTensors) -> bool:
+def draws_in_cpp(logits: torch.Tensor, params: SamplingTensors) -> bool:
     """Whether the C++ temperature draw serves this step: CPU logits of a dtype it takes, and no
-    row needing min-p, top-k or top-p (which stay torch's ops)."""
+    row needing min-p, top-k or top-p (which stay torch's ops). A multi-step run asks it too
+    (worker/model_runner.py `_run_on`): those runs go on in C++ only where it does."""
     plain = params.min_p is None and not params.needs_top_k and not params.needs_top_p
     return plain and cpu_sampler.serves(logits)
 
